@@ -1,0 +1,26 @@
+// The configuration string (GPUMEM_CONF), e.g. "upstream:vmm,cap:0.9,release:high_water".
+// Parsed here, in the core, so that a bad string is rejected the same way with or without a GPU.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "pool.hpp"
+
+namespace gpumem {
+
+struct Config {
+  std::string upstream = "auto";  // auto (vmm where the driver supports it) | vmm | segments
+  std::size_t cap_bytes = 0;      // cap as bytes (0 = none) ...
+  double cap_fraction = 0.0;      // ... or as a fraction of the device's memory (0 = none)
+  ReleasePolicy release = ReleasePolicy::kHighWater;
+  bool gc_on_oom = true;          // run the registered OOM callbacks (Python: gc.collect) before failing
+};
+
+// @throws InvalidArgument naming the key and the accepted values.
+Config parse_config(const std::string& text, const std::string& source = "GPUMEM_CONF");
+// "512", "64KiB", "1.5 GB", "8GiB" -> bytes. @throws InvalidArgument.
+std::size_t parse_size(const std::string& text);
+std::string to_string(ReleasePolicy policy);
+
+}  // namespace gpumem

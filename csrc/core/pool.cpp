@@ -1,0 +1,738 @@
+#include "pool.hpp"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+
+#include "format.hpp"
+
+namespace gpumem {
+
+Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
+    : upstream_(std::move(upstream)), options_(options) {
+  if (!upstream_) throw InvalidArgument("Pool needs an upstream");
+  page_size_ = upstream_->page_size();
+  if (page_size_ == 0 || page_size_ % kAlignment != 0)
+    throw InvalidArgument("upstream page size must be a positive multiple of 512");
+  if (options_.cap_bytes && options_.cap_bytes < page_size_)
+    throw InvalidArgument("cap of " + format_bytes(options_.cap_bytes) +
+                          " is below one page (" + format_bytes(page_size_) + ")");
+}
+
+Pool::~Pool() {
+  // Give everything back, live or not: whoever destroys the pool is done with its memory.
+  for (auto& pending : pending_) upstream_->destroy_event(pending.event);
+  for (auto& arena : arenas_) {
+    if (!arena->regions.empty()) upstream_->synchronize(arena->stream);
+    for (auto& region : arena->regions) {
+      try {
+        if (region->paged) {
+          for (std::size_t p = 0; p < region->page_mapped.size(); ++p)
+            if (region->page_mapped[p]) upstream_->unmap(region->base + p * page_size_, page_size_);
+          upstream_->release_address_range(region->base, region->size);
+        } else {
+          upstream_->free_segment(region->base, region->size);
+        }
+      } catch (...) {
+        // A destructor must not throw; the process is tearing this pool down anyway.
+      }
+      for (Block* b = region->first; b;) {
+        Block* next = b->next;
+        delete b;
+        b = next;
+      }
+    }
+  }
+  for (Block* b : spare_blocks_) delete b;
+}
+
+// ---- small helpers -------------------------------------------------------------------------------
+
+template <typename F>
+void Pool::update(StatArray& stat, StatType type, F&& op) {
+  op(stat[kAggregate]);
+  op(stat[type]);
+}
+
+Pool::Block* Pool::new_block() {
+  if (spare_blocks_.empty()) return new Block();
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void Pool::delete_block(Block* block) {
+  *block = Block();
+  spare_blocks_.push_back(block);
+}
+
+Pool::Arena& Pool::arena_for(StreamId stream, bool small) {
+  for (auto& a : arenas_)
+    if (a->stream == stream && a->small == small) return *a;
+  arenas_.push_back(std::make_unique<Arena>());
+  arenas_.back()->stream = stream;
+  arenas_.back()->small = small;
+  return *arenas_.back();
+}
+
+void Pool::add_reserved(Region* region, std::int64_t bytes) {
+  StatType type = pool_of(region);
+  bool was_empty = region->reserved == 0;
+  region->reserved += bytes;
+  if (bytes > 0) {
+    update(stats_.reserved_bytes, type, [&](Stat& s) { s.increase(bytes); });
+    if (was_empty) update(stats_.segment, type, [](Stat& s) { s.increase(1); });
+    high_water_ = std::max<std::size_t>(high_water_, stats_.reserved_bytes[kAggregate].current);
+  } else if (bytes < 0) {
+    update(stats_.reserved_bytes, type, [&](Stat& s) { s.decrease(-bytes); });
+    if (region->reserved == 0) update(stats_.segment, type, [](Stat& s) { s.decrease(1); });
+  }
+}
+
+// ---- allocation ----------------------------------------------------------------------------------
+
+std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
+  if (bytes == 0) return 0;  // PyTorch asks for zero bytes for empty tensors: null, freed as a no-op
+  if (bytes > kMaxRequest)
+    throw InvalidArgument("gpumem: cannot allocate " + std::to_string(bytes) +
+                          " bytes: that is more than any device has (limit " +
+                          format_bytes(kMaxRequest) + "); is the size negative or uninitialised?");
+  const std::size_t rounded = round_up(bytes, kAlignment);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
+    // First fallback: everything cached goes back to the device, then try again.
+    stats_.num_alloc_retries++;
+    release_cached(std::numeric_limits<std::size_t>::max());
+    if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
+  }
+  // Second fallback: the callbacks (gc.collect() from Python) may free blocks; they re-enter free(),
+  // so they run without the lock.
+  std::vector<OomCallback> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, cb] : oom_callbacks_) callbacks.push_back(cb);
+  }
+  if (!callbacks.empty()) {
+    for (auto& cb : callbacks) cb();
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_cached(std::numeric_limits<std::size_t>::max());
+    if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.num_ooms++;
+  throw OutOfMemoryError(oom_message(bytes, stream), bytes,
+                         stats_.allocated_bytes[kAggregate].current,
+                         stats_.reserved_bytes[kAggregate].current, options_.cap_bytes,
+                         largest_free_block_locked());
+}
+
+std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, StreamId stream) {
+  if (!pending_.empty()) {
+    // Recycle what other streams have finished with before looking for room.
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (upstream_->event_completed(it->event)) {
+        upstream_->destroy_event(it->event);
+        Block* b = it->block;
+        it = pending_.erase(it);
+        if (--b->pending_events == 0) return_to_arena(b);
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (rounded > effective_cap()) return 0;
+  Arena& arena = arena_for(stream, rounded <= kSmallLimit);
+  Block* block = take_free_block(arena, rounded);
+  if (!block) return 0;
+  block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
+  block->requested = requested;
+  split(block, rounded);
+  if (block->region->paged && !ensure_mapped(block)) {
+    block->state = BlockInfo::kFree;
+    block->requested = 0;
+    insert_free(block);
+    return 0;
+  }
+  StatType type = pool_of(block->region);
+  const std::int64_t size = static_cast<std::int64_t>(block->size);
+  update(stats_.allocation, type, [](Stat& s) { s.increase(1); });
+  update(stats_.active, type, [](Stat& s) { s.increase(1); });
+  update(stats_.allocated_bytes, type, [&](Stat& s) { s.increase(size); });
+  update(stats_.active_bytes, type, [&](Stat& s) { s.increase(size); });
+  update(stats_.requested_bytes, type, [&](Stat& s) { s.increase(static_cast<std::int64_t>(requested)); });
+  live_.put(block->address, block);
+  return block->address;
+}
+
+// Best fit among the arena's free blocks; on a segments upstream, a new segment when none fits.
+Pool::Block* Pool::take_free_block(Arena& arena, std::size_t rounded) {
+  Block key;
+  key.size = rounded;
+  key.address = 0;
+  auto it = arena.free_blocks.lower_bound(&key);
+  if (it == arena.free_blocks.end()) {
+    Region* region = nullptr;
+    if (upstream_->kind() == UpstreamKind::kPages) {
+      bool has_region = !arena.regions.empty();
+      if (has_region) return nullptr;  // the arena's address range is exhausted
+      region = add_paged_region(arena);
+    } else {
+      std::size_t bytes = arena.small ? kSmallSegment
+                          : rounded < kMidLimit ? kMidSegment
+                                                : round_up(rounded, page_size_);
+      region = add_segment(arena, bytes);
+    }
+    if (!region) return nullptr;
+    it = arena.free_blocks.lower_bound(&key);
+    if (it == arena.free_blocks.end()) return nullptr;
+  }
+  Block* block = *it;
+  arena.free_blocks.erase(it);
+  return block;
+}
+
+Pool::Region* Pool::add_segment(Arena& arena, std::size_t bytes) {
+  bytes = round_up(bytes, page_size_);
+  if (!make_room(bytes)) return nullptr;
+  std::uintptr_t base = upstream_->allocate_segment(bytes);
+  if (!base) return nullptr;
+  stats_.num_device_alloc++;
+  auto region = std::make_unique<Region>();
+  region->base = base;
+  region->size = bytes;
+  region->arena = &arena;
+  Block* b = new_block();
+  b->address = base;
+  b->size = bytes;
+  b->region = region.get();
+  region->first = b;
+  Region* r = region.get();
+  arena.regions.push_back(std::move(region));
+  add_reserved(r, static_cast<std::int64_t>(bytes));
+  insert_free(b);
+  return r;
+}
+
+Pool::Region* Pool::add_paged_region(Arena& arena) {
+  // As much address space as the device has memory: a region never needs a second range.
+  std::size_t bytes = round_up(upstream_->device_total_bytes(), page_size_);
+  std::uintptr_t base = upstream_->reserve_address_range(bytes);
+  if (!base) return nullptr;
+  auto region = std::make_unique<Region>();
+  region->base = base;
+  region->size = bytes;
+  region->arena = &arena;
+  region->paged = true;
+  region->page_mapped.assign(bytes / page_size_, 0);
+  Block* b = new_block();
+  b->address = base;
+  b->size = bytes;
+  b->region = region.get();
+  region->first = b;
+  Region* r = region.get();
+  arena.regions.push_back(std::move(region));
+  insert_free(b);
+  return r;
+}
+
+// Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
+// mapped and accounted as reserved; the caller returns the block to the free set.
+bool Pool::ensure_mapped(Block* block) {
+  Region* region = block->region;
+  std::size_t first = (block->address - region->base) / page_size_;
+  std::size_t last = (block->address + block->size - 1 - region->base) / page_size_;
+  std::size_t missing = 0;
+  for (std::size_t p = first; p <= last; ++p) missing += !region->page_mapped[p];
+  if (missing == 0) return true;
+  if (!make_room(missing * page_size_)) return false;
+  for (std::size_t p = first; p <= last;) {
+    if (region->page_mapped[p]) {
+      ++p;
+      continue;
+    }
+    std::size_t run_end = p;
+    while (run_end <= last && !region->page_mapped[run_end]) ++run_end;
+    std::size_t bytes = (run_end - p) * page_size_;
+    if (!upstream_->map(region->base + p * page_size_, bytes)) return false;
+    stats_.num_device_alloc++;
+    std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 1);
+    region->mapped_limit = std::max(region->mapped_limit, run_end);
+    add_reserved(region, static_cast<std::int64_t>(bytes));
+    p = run_end;
+  }
+  return true;
+}
+
+// Makes room for `bytes` more reserved bytes under the cap and, with the high-water policy, under the
+// highest reserve so far (best effort). False only when the cap cannot be met.
+bool Pool::make_room(std::size_t bytes) {
+  std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
+  if (options_.release == ReleasePolicy::kHighWater && reserved + bytes > high_water_)
+    release_cached(reserved + bytes - high_water_);
+  reserved = stats_.reserved_bytes[kAggregate].current;
+  const std::size_t cap = effective_cap();
+  if (reserved + bytes > cap) {
+    release_cached(reserved + bytes - cap);
+    reserved = stats_.reserved_bytes[kAggregate].current;
+  }
+  return reserved + bytes <= cap;
+}
+
+void Pool::split(Block* block, std::size_t size) {
+  if (block->size - size < kAlignment) return;
+  Block* rest = new_block();
+  rest->address = block->address + size;
+  rest->size = block->size - size;
+  rest->region = block->region;
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next) block->next->prev = rest;
+  block->next = rest;
+  block->size = size;
+  insert_free(rest);
+}
+
+// Puts a free block into its arena's set, merged with free neighbours first.
+void Pool::insert_free(Block* block) {
+  auto& set = block->region->arena->free_blocks;
+  if (Block* p = block->prev; p && p->state == BlockInfo::kFree) {
+    set.erase(p);
+    p->size += block->size;
+    p->next = block->next;
+    if (block->next) block->next->prev = p;
+    delete_block(block);
+    block = p;
+  }
+  if (Block* n = block->next; n && n->state == BlockInfo::kFree) {
+    set.erase(n);
+    block->size += n->size;
+    block->next = n->next;
+    if (n->next) n->next->prev = block;
+    delete_block(n);
+  }
+  set.insert(block);
+}
+
+// ---- free ----------------------------------------------------------------------------------------
+
+Pool::Block* Pool::find_live(std::uintptr_t address, const char* what) const {
+  Block* const* found = live_.find(address);
+  if (!found || (*found)->state != BlockInfo::kAllocated) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "gpumem: %s of pointer 0x%" PRIxPTR
+                  " that this pool (device %d) did not allocate or has already freed; nothing was "
+                  "changed",
+                  what, address, options_.device);
+    throw InvalidArgument(buf);
+  }
+  return *found;
+}
+
+void Pool::free(std::uintptr_t address) {
+  if (address == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = find_live(address, "free");
+  StatType type = pool_of(block->region);
+  const std::int64_t size = static_cast<std::int64_t>(block->size);
+  update(stats_.allocation, type, [](Stat& s) { s.decrease(1); });
+  update(stats_.allocated_bytes, type, [&](Stat& s) { s.decrease(size); });
+  update(stats_.requested_bytes, type,
+         [&](Stat& s) { s.decrease(static_cast<std::int64_t>(block->requested)); });
+  block->requested = 0;
+  if (block->extra_streams.empty()) {
+    live_.erase(address);
+    return_to_arena(block);
+    return;
+  }
+  // Used on other streams too: reuse only once their work queued so far has completed.
+  block->state = BlockInfo::kPending;
+  for (StreamId s : block->extra_streams) {
+    pending_.push_back(PendingFree{block, upstream_->record_event(s)});
+    block->pending_events++;
+  }
+  block->extra_streams.clear();
+}
+
+void Pool::return_to_arena(Block* block) {
+  StatType type = pool_of(block->region);
+  const std::int64_t size = static_cast<std::int64_t>(block->size);
+  update(stats_.active, type, [](Stat& s) { s.decrease(1); });
+  update(stats_.active_bytes, type, [&](Stat& s) { s.decrease(size); });
+  if (block->state == BlockInfo::kPending) live_.erase(block->address);
+  block->state = BlockInfo::kFree;
+  insert_free(block);
+}
+
+void Pool::record_stream(std::uintptr_t address, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = find_live(address, "record_stream");
+  if (stream == block->region->arena->stream) return;  // its own stream orders itself
+  auto& s = block->extra_streams;
+  if (std::find(s.begin(), s.end(), stream) == s.end()) s.push_back(stream);
+}
+
+void Pool::process_events() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (upstream_->event_completed(it->event)) {
+      upstream_->destroy_event(it->event);
+      Block* b = it->block;
+      it = pending_.erase(it);
+      if (--b->pending_events == 0) return_to_arena(b);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---- releasing memory ----------------------------------------------------------------------------
+
+// Unmaps the whole pages inside a free block, up to `target` bytes. Returns the bytes unmapped.
+std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
+  Region* region = block->region;
+  std::size_t first = (block->address - region->base + page_size_ - 1) / page_size_;
+  std::size_t end = std::min((block->address + block->size - region->base) / page_size_,
+                             region->mapped_limit);
+  std::size_t released = 0;
+  bool synced = false;
+  for (std::size_t p = first; p < end && released < target;) {
+    if (!region->page_mapped[p]) {
+      ++p;
+      continue;
+    }
+    std::size_t run_end = p;
+    while (run_end < end && region->page_mapped[run_end] &&
+           released + (run_end - p) * page_size_ < target)
+      ++run_end;
+    if (!synced) {
+      // The block's last user may still be running on its stream: wait before the memory goes back.
+      upstream_->synchronize(region->arena->stream);
+      stats_.num_sync_all_streams++;
+      synced = true;
+    }
+    std::size_t bytes = (run_end - p) * page_size_;
+    upstream_->unmap(region->base + p * page_size_, bytes);  // throws: pages stay mapped, accounted
+    stats_.num_device_free++;
+    std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 0);
+    add_reserved(region, -static_cast<std::int64_t>(bytes));
+    released += bytes;
+    p = run_end;
+  }
+  return released;
+}
+
+// Returns cached memory (whole free pages, whole free segments) to the device until `target` bytes
+// have gone back or nothing more can. Largest free blocks go first: they give the most per call.
+std::size_t Pool::release_cached(std::size_t target) {
+  std::size_t released = 0;
+  for (auto& arena_ptr : arenas_) {
+    Arena& arena = *arena_ptr;
+    if (released >= target) break;
+    if (upstream_->kind() == UpstreamKind::kPages) {
+      std::vector<Block*> candidates;
+      for (auto it = arena.free_blocks.rbegin(); it != arena.free_blocks.rend(); ++it) {
+        if ((*it)->size < page_size_) break;
+        candidates.push_back(*it);
+      }
+      for (Block* b : candidates) {
+        if (released >= target) break;
+        released += release_pages_of(b, target - released);
+      }
+      continue;
+    }
+    bool synced = false;
+    for (auto it = arena.regions.begin(); it != arena.regions.end() && released < target;) {
+      Region* region = it->get();
+      Block* b = region->first;
+      if (b->state != BlockInfo::kFree || b->size != region->size) {
+        ++it;
+        continue;
+      }
+      if (!synced) {
+        upstream_->synchronize(arena.stream);
+        stats_.num_sync_all_streams++;
+        synced = true;
+      }
+      upstream_->free_segment(region->base, region->size);  // throws: segment stays, accounted
+      stats_.num_device_free++;
+      arena.free_blocks.erase(b);
+      delete_block(b);
+      add_reserved(region, -static_cast<std::int64_t>(region->size));
+      released += region->size;
+      it = arena.regions.erase(it);
+    }
+  }
+  return released;
+}
+
+std::size_t Pool::trim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return release_cached(std::numeric_limits<std::size_t>::max());
+}
+
+// ---- cap, stats, introspection -------------------------------------------------------------------
+
+void Pool::set_cap(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t active = stats_.active_bytes[kAggregate].current;
+  if (bytes != 0 && bytes < active)
+    throw InvalidArgument("gpumem: cannot cap device " + std::to_string(options_.device) + " at " +
+                          format_bytes(bytes) + ": live tensors already hold " +
+                          format_bytes(active) + "; nothing was changed. Free them first or "
+                          "choose a cap of at least that.");
+  if (bytes != 0 && bytes < page_size_)
+    throw InvalidArgument("gpumem: a cap of " + format_bytes(bytes) + " is below one page (" +
+                          format_bytes(page_size_) + ")");
+  options_.cap_bytes = bytes;
+  const std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
+  if (reserved > effective_cap()) release_cached(reserved - effective_cap());
+}
+
+std::size_t Pool::cap() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.cap_bytes;
+}
+
+std::size_t Pool::effective_cap() const {
+  return options_.cap_bytes ? options_.cap_bytes : upstream_->device_total_bytes();
+}
+
+DeviceStats Pool::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Inactive split blocks are derived, not tracked per operation: free blocks that share a region
+  // with other blocks, counted by the memory that backs them.
+  std::int64_t count[kNumStatTypes] = {0, 0, 0}, bytes[kNumStatTypes] = {0, 0, 0};
+  for (auto& arena : arenas_) {
+    StatType type = arena->small ? kSmallPool : kLargePool;
+    for (Block* b : arena->free_blocks) {
+      if (b->size == b->region->size) continue;
+      std::size_t backed = b->size;
+      if (b->region->paged) {
+        backed = 0;
+        std::size_t first = (b->address - b->region->base) / page_size_;
+        std::size_t last = (b->address + b->size - 1 - b->region->base) / page_size_;
+        last = std::min(last + 1, b->region->mapped_limit);
+        for (std::size_t p = first; p < last; ++p) {
+          if (!b->region->page_mapped[p]) continue;
+          std::uintptr_t lo = std::max<std::uintptr_t>(b->address, b->region->base + p * page_size_);
+          std::uintptr_t hi = std::min<std::uintptr_t>(b->address + b->size,
+                                                       b->region->base + (p + 1) * page_size_);
+          backed += hi - lo;
+        }
+        if (backed == 0) continue;
+      }
+      count[type]++;
+      bytes[type] += static_cast<std::int64_t>(backed);
+    }
+  }
+  count[kAggregate] = count[kSmallPool] + count[kLargePool];
+  bytes[kAggregate] = bytes[kSmallPool] + bytes[kLargePool];
+  for (int t = 0; t < kNumStatTypes; ++t) {
+    Stat& c = stats_.inactive_split[t];
+    Stat& b = stats_.inactive_split_bytes[t];
+    c.current = count[t];
+    c.peak = std::max(c.peak, c.current);
+    b.current = bytes[t];
+    b.peak = std::max(b.peak, b.current);
+  }
+  return stats_;
+}
+
+void Pool::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.reset_peak();
+}
+
+void Pool::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.reset_accumulated();
+}
+
+std::size_t Pool::largest_free_block() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return largest_free_block_locked();
+}
+
+std::size_t Pool::largest_free_block_locked() const {
+  std::size_t best = 0;
+  for (auto& arena : arenas_) {
+    for (auto it = arena->free_blocks.rbegin(); it != arena->free_blocks.rend(); ++it) {
+      Block* b = *it;
+      if (b->size <= best) break;
+      if (!b->region->paged) {
+        best = b->size;
+        break;
+      }
+      // Longest mapped run inside the block.
+      std::uintptr_t run_start = b->address;
+      std::uintptr_t end = std::min<std::uintptr_t>(
+          b->address + b->size, b->region->base + b->region->mapped_limit * page_size_);
+      for (std::uintptr_t a = b->address; a < end;) {
+        std::size_t p = (a - b->region->base) / page_size_;
+        std::uintptr_t page_end = std::min<std::uintptr_t>(end, b->region->base + (p + 1) * page_size_);
+        if (!b->region->page_mapped[p]) run_start = page_end;
+        else best = std::max<std::size_t>(best, page_end - run_start);
+        a = page_end;
+      }
+    }
+  }
+  return best;
+}
+
+std::size_t Pool::allocation_size(std::uintptr_t address) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* const* found = live_.find(address);
+  return !found || (*found)->state != BlockInfo::kAllocated ? 0 : (*found)->size;
+}
+
+std::vector<RegionInfo> Pool::snapshot() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<RegionInfo> out;
+  for (auto& arena : arenas_) {
+    for (auto& region : arena->regions) {
+      if (region->reserved == 0) continue;
+      RegionInfo info{region->base, region->size, region->reserved, arena->stream, arena->small, {}};
+      for (Block* b = region->first; b; b = b->next)
+        info.blocks.push_back(BlockInfo{b->address, b->size, b->requested, b->state});
+      if (region->paged) {
+        // Report only the span that holds memory, so a viewer does not draw the whole address range.
+        std::size_t last_page = region->page_mapped.size();
+        while (last_page > 0 && !region->page_mapped[last_page - 1]) --last_page;
+        std::uintptr_t end = region->base + last_page * page_size_;
+        info.size = end - region->base;
+        std::vector<BlockInfo> clipped;
+        for (auto& b : info.blocks) {
+          if (b.address >= end) break;
+          b.size = std::min<std::uintptr_t>(b.address + b.size, end) - b.address;
+          clipped.push_back(b);
+        }
+        info.blocks = std::move(clipped);
+      }
+      out.push_back(std::move(info));
+    }
+  }
+  return out;
+}
+
+int Pool::add_oom_callback(OomCallback callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  oom_callbacks_.emplace_back(next_callback_id_, std::move(callback));
+  return next_callback_id_++;
+}
+
+void Pool::remove_oom_callback(int id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  oom_callbacks_.erase(std::remove_if(oom_callbacks_.begin(), oom_callbacks_.end(),
+                                      [id](auto& e) { return e.first == id; }),
+                       oom_callbacks_.end());
+}
+
+std::string Pool::oom_message(std::size_t requested, StreamId stream) const {
+  std::ostringstream m;
+  m << "gpumem: out of memory on device " << options_.device << ": tried to allocate "
+    << format_bytes(requested) << " (stream 0x" << std::hex << stream << std::dec << "); "
+    << format_bytes(stats_.allocated_bytes[kAggregate].current) << " held by live tensors, "
+    << format_bytes(stats_.reserved_bytes[kAggregate].current) << " reserved by gpumem, cap "
+    << (options_.cap_bytes ? format_bytes(options_.cap_bytes) : "none (device total " +
+                                                                     format_bytes(effective_cap()) + ")")
+    << ", device free " << format_bytes(upstream_->device_free_bytes()) << ", largest free block "
+    << format_bytes(largest_free_block_locked())
+    << ". Free tensors you no longer need, use a smaller batch (gpumem.find_batch_size), or raise "
+       "the cap (GPUMEM_CONF=cap:...).";
+  return m.str();
+}
+
+// ---- invariant checker ---------------------------------------------------------------------------
+
+void Pool::validate() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto fail = [](const std::string& what) { throw InvariantViolation("gpumem invariant: " + what); };
+  std::int64_t allocated = 0, requested = 0, active = 0, reserved = 0, allocations = 0,
+               actives = 0, segments = 0;
+  std::size_t live_seen = 0, free_seen = 0;
+  for (auto& arena : arenas_) {
+    std::size_t free_in_arena = 0;
+    for (auto& region : arena->regions) {
+      if (region->arena != arena.get()) fail("region points to another arena");
+      std::uintptr_t expect = region->base;
+      std::size_t region_reserved = 0;
+      if (region->paged) {
+        for (auto m : region->page_mapped) region_reserved += m ? page_size_ : 0;
+      } else {
+        region_reserved = region->size;
+      }
+      if (region_reserved != region->reserved) fail("region reserved bytes disagree with its pages");
+      reserved += static_cast<std::int64_t>(region->reserved);
+      segments += region->reserved > 0;
+      const Block* prev = nullptr;
+      for (Block* b = region->first; b; b = b->next) {
+        if (b->region != region.get()) fail("block points to another region");
+        if (b->prev != prev) fail("broken prev link");
+        if (b->address != expect) fail("blocks overlap or leave a gap");
+        if (b->size == 0 || b->size % kAlignment || b->address % kAlignment) fail("misaligned block");
+        expect += b->size;
+        if (b->state == BlockInfo::kFree) {
+          free_seen++;
+          free_in_arena++;
+          if (!arena->free_blocks.count(b)) fail("free block missing from its arena's free set");
+          if (prev && prev->state == BlockInfo::kFree) fail("two adjacent free blocks not merged");
+          if (b->requested || !b->extra_streams.empty() || b->pending_events)
+            fail("free block carries allocation state");
+        } else {
+          live_seen++;
+          Block* const* found = live_.find(b->address);
+          if (!found || *found != b) fail("live block missing from the address map");
+          active += static_cast<std::int64_t>(b->size);
+          actives++;
+          if (b->state == BlockInfo::kAllocated) {
+            allocated += static_cast<std::int64_t>(b->size);
+            requested += static_cast<std::int64_t>(b->requested);
+            allocations++;
+            if (b->requested == 0 || b->requested > b->size) fail("requested size out of range");
+            if (b->pending_events) fail("allocated block has pending events");
+          } else if (b->pending_events == 0) {
+            fail("pending block without events");
+          }
+          if (region->paged) {
+            std::size_t first = (b->address - region->base) / page_size_;
+            std::size_t last = (b->address + b->size - 1 - region->base) / page_size_;
+            for (std::size_t p = first; p <= last; ++p)
+              if (!region->page_mapped[p]) fail("live block on an unmapped page");
+          }
+        }
+        prev = b;
+      }
+      if (expect != region->base + region->size) fail("blocks do not cover their region");
+    }
+    if (free_in_arena != arena->free_blocks.size()) fail("free set holds blocks not in any region");
+  }
+  if (live_seen != live_.size()) fail("address map holds blocks not in any region");
+  std::size_t pending_blocks = 0;
+  for (auto& p : pending_) pending_blocks += p.block->state == BlockInfo::kPending;
+  if (pending_blocks < static_cast<std::size_t>(actives - allocations)) fail("pending block lost");
+  const auto& s = stats_;
+  auto check = [&](const Stat& stat, std::int64_t truth, const char* name) {
+    if (stat.current != truth)
+      fail(std::string(name) + " is " + std::to_string(stat.current) + " but the blocks say " +
+           std::to_string(truth));
+    if (stat.peak < stat.current) fail(std::string(name) + " peak below current");
+  };
+  check(s.allocated_bytes[kAggregate], allocated, "allocated_bytes");
+  check(s.requested_bytes[kAggregate], requested, "requested_bytes");
+  check(s.active_bytes[kAggregate], active, "active_bytes");
+  check(s.reserved_bytes[kAggregate], reserved, "reserved_bytes");
+  check(s.allocation[kAggregate], allocations, "allocation count");
+  check(s.active[kAggregate], actives, "active count");
+  check(s.segment[kAggregate], segments, "segment count");
+  for (auto* a : {&s.allocated_bytes, &s.requested_bytes, &s.active_bytes, &s.reserved_bytes,
+                  &s.allocation, &s.active, &s.segment})
+    if ((*a)[kAggregate].current != (*a)[kSmallPool].current + (*a)[kLargePool].current)
+      fail("small + large pool stats do not add up to the aggregate");
+  (void)free_seen;
+}
+
+}  // namespace gpumem

@@ -1,0 +1,192 @@
+// The pooled allocator. How it works, in brief:
+//  - Requests are rounded to 512 bytes. Those up to 1 MiB go to a "small" arena, the rest to a "large"
+//    one; each stream has its own pair of arenas, so a block freed on stream S is reused at once on S
+//    and never handed to another stream while S may still use it.
+//  - An arena's free blocks sit in one set ordered by (size, address): allocation takes the best fit
+//    and splits it; free coalesces with free neighbours of the same region.
+//  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range as large as the device,
+//    whose pages are mapped when a block first needs them. Free pages anywhere in it can be unmapped,
+//    so free memory in the middle of a region goes back to the device ("reserved" = mapped pages).
+//  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
+//  - Release policy "high_water": before reserving past the highest reserve so far, the pool first
+//    releases fully free cached pages (or segments). Reserved memory therefore grows only when the
+//    live data itself needs it, which is what keeps peak reserved close to peak live.
+//  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
+//    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
+//    OutOfMemoryError with the figures a user needs.
+//  - record_stream(ptr, S2) makes free() record an event on S2; the block is reused only after it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <memory_resource>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "address_map.hpp"
+#include "errors.hpp"
+#include "stats.hpp"
+#include "types.hpp"
+#include "upstream.hpp"
+
+namespace gpumem {
+
+enum class ReleasePolicy {
+  kHighWater,  // release cached free memory before reserving past the highest reserve so far
+  kNever,      // keep everything cached until trim() or an allocation failure (PyTorch's behaviour)
+};
+
+struct PoolOptions {
+  std::size_t cap_bytes = 0;  // upper bound on reserved bytes; 0 = the device's memory is the bound
+  ReleasePolicy release = ReleasePolicy::kHighWater;
+  int device = 0;             // only used in messages and to reject frees meant for another device
+};
+
+// One block as seen from outside, for snapshots and debugging.
+struct BlockInfo {
+  std::uintptr_t address;
+  std::size_t size;
+  std::size_t requested;  // 0 unless allocated
+  enum State { kFree, kAllocated, kPending } state;
+};
+
+// One region as seen from outside (torch's "segment" in memory snapshots).
+struct RegionInfo {
+  std::uintptr_t address;
+  std::size_t size;            // address range
+  std::size_t reserved;        // bytes backed by device memory
+  StreamId stream;
+  bool small;
+  std::vector<BlockInfo> blocks;
+};
+
+class Pool {
+ public:
+  using OomCallback = std::function<void()>;
+
+  explicit Pool(std::shared_ptr<Upstream> upstream, PoolOptions options = {});
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  // Returns an address aligned to 512 bytes, or 0 for a zero-byte request (which frees as a no-op).
+  // @throws OutOfMemoryError when the memory cannot be had; InvalidArgument for absurd sizes.
+  std::uintptr_t allocate(std::size_t bytes, StreamId stream);
+  // @throws InvalidArgument for a pointer this pool did not hand out or already freed.
+  void free(std::uintptr_t address);
+  // Marks the block as used on `stream` as well: free() will wait for that stream's work.
+  void record_stream(std::uintptr_t address, StreamId stream);
+  // Polls pending events and recycles the blocks whose streams are done.
+  void process_events();
+  // Returns every fully free page / segment to the device. Returns the bytes released.
+  std::size_t trim();
+
+  // @throws InvalidArgument if `bytes` (non-zero) is below the bytes live blocks hold.
+  void set_cap(std::size_t bytes);
+  std::size_t cap() const;
+  std::size_t effective_cap() const;  // cap, or the device's total memory
+  ReleasePolicy release_policy() const { return options_.release; }
+
+  DeviceStats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  // Largest run of free bytes backed by device memory (what could be handed out without reserving).
+  std::size_t largest_free_block() const;
+  std::vector<RegionInfo> snapshot() const;
+  // Size of the block at `address` if this pool handed it out and it is live, else 0.
+  std::size_t allocation_size(std::uintptr_t address) const;
+
+  int add_oom_callback(OomCallback callback);
+  void remove_oom_callback(int id);
+
+  // Walks every block and checks the pool's structures and accounting.
+  // @throws InvariantViolation describing the first inconsistency found.
+  void validate() const;
+
+  Upstream& upstream() { return *upstream_; }
+  int device() const { return options_.device; }
+
+ private:
+  struct Region;
+  struct Arena;
+  struct Block {
+    std::uintptr_t address = 0;
+    std::size_t size = 0;
+    std::size_t requested = 0;
+    Region* region = nullptr;
+    Block* prev = nullptr;  // address neighbours inside the region
+    Block* next = nullptr;
+    BlockInfo::State state = BlockInfo::kFree;
+    std::uint32_t pending_events = 0;
+    std::vector<StreamId> extra_streams;
+  };
+  struct BySizeThenAddress {
+    bool operator()(const Block* a, const Block* b) const {
+      return a->size != b->size ? a->size < b->size : a->address < b->address;
+    }
+  };
+  struct Region {
+    std::uintptr_t base = 0;
+    std::size_t size = 0;
+    Arena* arena = nullptr;
+    bool paged = false;
+    std::vector<std::uint8_t> page_mapped;  // paged regions: one flag per page
+    std::size_t reserved = 0;               // bytes backed by device memory
+    std::size_t mapped_limit = 0;           // no page at or past this index has ever been mapped
+    Block* first = nullptr;
+  };
+  struct Arena {
+    StreamId stream = 0;
+    bool small = false;
+    std::vector<std::unique_ptr<Region>> regions;
+    // Set nodes come from a per-arena pool: the hot path never calls malloc.
+    std::pmr::unsynchronized_pool_resource node_pool;
+    std::pmr::set<Block*, BySizeThenAddress> free_blocks{&node_pool};
+  };
+  struct PendingFree {
+    Block* block;
+    EventId event;
+  };
+
+  std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);
+  Arena& arena_for(StreamId stream, bool small);
+  Block* take_free_block(Arena& arena, std::size_t rounded);
+  Region* add_segment(Arena& arena, std::size_t bytes);
+  Region* add_paged_region(Arena& arena);
+  bool ensure_mapped(Block* block);
+  bool make_room(std::size_t bytes);
+  std::size_t release_cached(std::size_t target);
+  std::size_t release_pages_of(Block* block, std::size_t target);
+  void split(Block* block, std::size_t size);
+  void insert_free(Block* block);
+  void return_to_arena(Block* block);
+  void add_reserved(Region* region, std::int64_t bytes);
+  Block* new_block();
+  void delete_block(Block* block);
+  Block* find_live(std::uintptr_t address, const char* what) const;
+  std::size_t largest_free_block_locked() const;
+  std::string oom_message(std::size_t requested, StreamId stream) const;
+  StatType pool_of(const Region* region) const { return region->arena->small ? kSmallPool : kLargePool; }
+  template <typename F> void update(StatArray& stat, StatType type, F&& op);
+
+  std::shared_ptr<Upstream> upstream_;
+  PoolOptions options_;
+  std::size_t page_size_;
+  mutable std::mutex mutex_;
+  std::vector<std::unique_ptr<Arena>> arenas_;
+  AddressMap<Block*> live_;  // allocated and pending blocks by address
+  std::deque<PendingFree> pending_;
+  std::size_t high_water_ = 0;  // highest reserved bytes so far (not reset by reset_peak_stats)
+  mutable DeviceStats stats_;
+  std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap
+  std::vector<std::pair<int, OomCallback>> oom_callbacks_;
+  int next_callback_id_ = 1;
+};
+
+}  // namespace gpumem

@@ -1,0 +1,145 @@
+#include "simulated_device.hpp"
+
+#include <sstream>
+
+#include "errors.hpp"
+
+namespace gpumem {
+
+SimulatedDevice::SimulatedDevice(UpstreamKind kind, std::size_t capacity, std::size_t page_size)
+    : kind_(kind), capacity_(capacity), page_size_(page_size) {
+  if (page_size == 0 || page_size % kAlignment != 0)
+    throw InvalidArgument("simulated device: page_size must be a positive multiple of 512, got " +
+                          std::to_string(page_size));
+  if (capacity < page_size)
+    throw InvalidArgument("simulated device: capacity " + std::to_string(capacity) +
+                          " is smaller than one page (" + std::to_string(page_size) + ")");
+}
+
+std::string SimulatedDevice::name() const {
+  return kind_ == UpstreamKind::kPages ? "simulated-vmm" : "simulated-segments";
+}
+
+bool SimulatedDevice::inject_fault() {
+  ++memory_calls_;
+  bool fail = (faults_.fail_every && memory_calls_ % faults_.fail_every == 0) ||
+              (faults_.fail_probability > 0 &&
+               std::uniform_real_distribution<double>(0, 1)(rng_) < faults_.fail_probability);
+  if (fail) ++faults_injected_;
+  return fail;
+}
+
+void SimulatedDevice::set_fault_plan(const FaultPlan& plan) {
+  faults_ = plan;
+  rng_.seed(plan.seed);
+}
+
+std::uintptr_t SimulatedDevice::allocate_segment(std::size_t bytes) {
+  if (kind_ != UpstreamKind::kSegments) return Upstream::allocate_segment(bytes);
+  if (bytes == 0 || bytes % page_size_ != 0)
+    throw std::logic_error("simulated device: segment size " + std::to_string(bytes) +
+                           " is not a positive multiple of the page size");
+  if (inject_fault() || used_ + bytes > capacity_) return 0;
+  std::uintptr_t address = next_address_;
+  next_address_ += bytes;
+  segments_[address] = bytes;
+  used_ += bytes;
+  return address;
+}
+
+void SimulatedDevice::free_segment(std::uintptr_t address, std::size_t bytes) {
+  auto it = segments_.find(address);
+  if (it == segments_.end() || it->second != bytes)
+    throw std::logic_error("simulated device: free_segment of a segment it never gave out");
+  if (faults_.fail_unmap) {
+    ++faults_injected_;
+    throw UpstreamError("simulated device: injected failure in free_segment");
+  }
+  used_ -= bytes;
+  segments_.erase(it);
+}
+
+std::uintptr_t SimulatedDevice::reserve_address_range(std::size_t bytes) {
+  if (kind_ != UpstreamKind::kPages) return Upstream::reserve_address_range(bytes);
+  bytes = round_up(bytes, page_size_);
+  std::uintptr_t address = next_address_;
+  next_address_ += bytes + page_size_;  // a guard gap, so neighbouring ranges never touch
+  ranges_[address] = Range{bytes, std::vector<std::uint8_t>(bytes / page_size_, 0)};
+  return address;
+}
+
+void SimulatedDevice::release_address_range(std::uintptr_t address, std::size_t bytes) {
+  auto it = ranges_.find(address);
+  if (it == ranges_.end()) throw std::logic_error("simulated device: release of an unknown range");
+  for (std::uint8_t m : it->second.mapped)
+    if (m) throw std::logic_error("simulated device: address range released with pages still mapped");
+  (void)bytes;
+  ranges_.erase(it);
+}
+
+std::vector<std::uint8_t>& SimulatedDevice::pages_of(std::uintptr_t address, std::size_t bytes,
+                                                      std::size_t* first) {
+  auto it = ranges_.upper_bound(address);
+  if (it == ranges_.begin()) throw std::logic_error("simulated device: address outside every range");
+  --it;
+  if (address % page_size_ || bytes % page_size_ || bytes == 0 ||
+      address + bytes > it->first + it->second.bytes)
+    throw std::logic_error("simulated device: map/unmap of a range not page-aligned or not reserved");
+  *first = (address - it->first) / page_size_;
+  return it->second.mapped;
+}
+
+bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes) {
+  if (kind_ != UpstreamKind::kPages) return Upstream::map(address, bytes);
+  std::size_t first;
+  auto& mapped = pages_of(address, bytes, &first);
+  for (std::size_t p = first; p < first + bytes / page_size_; ++p)
+    if (mapped[p]) throw std::logic_error("simulated device: page mapped twice");
+  if (inject_fault() || used_ + bytes > capacity_) return false;
+  for (std::size_t p = first; p < first + bytes / page_size_; ++p) mapped[p] = 1;
+  used_ += bytes;
+  return true;
+}
+
+void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes) {
+  std::size_t first;
+  auto& mapped = pages_of(address, bytes, &first);
+  for (std::size_t p = first; p < first + bytes / page_size_; ++p)
+    if (!mapped[p]) throw std::logic_error("simulated device: unmap of a page that is not mapped");
+  if (faults_.fail_unmap) {
+    ++faults_injected_;
+    throw UpstreamError("simulated device: injected failure in unmap");
+  }
+  for (std::size_t p = first; p < first + bytes / page_size_; ++p) mapped[p] = 0;
+  used_ -= bytes;
+}
+
+EventId SimulatedDevice::record_event(StreamId stream) {
+  StreamWork& w = streams_[stream];
+  ++w.queued;
+  if (auto_complete_) w.completed = w.queued;
+  EventId id = next_event_++;
+  events_[id] = Event{stream, w.queued};
+  return id;
+}
+
+bool SimulatedDevice::event_completed(EventId event) {
+  auto it = events_.find(event);
+  if (it == events_.end()) throw std::logic_error("simulated device: query of an unknown event");
+  return streams_[it->second.stream].completed >= it->second.ticket;
+}
+
+void SimulatedDevice::destroy_event(EventId event) {
+  if (!events_.erase(event)) throw std::logic_error("simulated device: destroy of an unknown event");
+}
+
+void SimulatedDevice::complete(StreamId stream) {
+  StreamWork& w = streams_[stream];
+  w.completed = w.queued;
+}
+
+void SimulatedDevice::complete_all() {
+  for (auto& [stream, w] : streams_) w.completed = w.queued;
+}
+
+}  // namespace gpumem

@@ -1,0 +1,82 @@
+// A device that exists only in host memory: fake addresses, a capacity, a page size, and streams whose
+// work completes when the test says so. It lets every pool behaviour run and be checked without a GPU,
+// and it checks the pool in return (double maps, unmapping what was never mapped, foreign frees).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "upstream.hpp"
+
+namespace gpumem {
+
+// Failures to inject into the memory calls (allocate_segment, map), for fault-injection tests.
+struct FaultPlan {
+  std::uint64_t fail_every = 0;      // fail every Nth memory call (0 = never)
+  double fail_probability = 0.0;     // fail each memory call with this probability
+  bool fail_unmap = false;           // unmap / free_segment throw UpstreamError instead of releasing
+  std::uint64_t seed = 1;
+};
+
+class SimulatedDevice : public Upstream {
+ public:
+  SimulatedDevice(UpstreamKind kind, std::size_t capacity, std::size_t page_size = 2 * MiB);
+
+  UpstreamKind kind() const override { return kind_; }
+  std::string name() const override;
+  std::size_t page_size() const override { return page_size_; }
+  std::size_t device_total_bytes() const override { return capacity_; }
+  std::size_t device_free_bytes() const override { return capacity_ - used_; }
+
+  std::uintptr_t allocate_segment(std::size_t bytes) override;
+  void free_segment(std::uintptr_t address, std::size_t bytes) override;
+  std::uintptr_t reserve_address_range(std::size_t bytes) override;
+  void release_address_range(std::uintptr_t address, std::size_t bytes) override;
+  bool map(std::uintptr_t address, std::size_t bytes) override;
+  void unmap(std::uintptr_t address, std::size_t bytes) override;
+
+  EventId record_event(StreamId stream) override;
+  bool event_completed(EventId event) override;
+  void destroy_event(EventId event) override;
+  void synchronize(StreamId stream) override { complete(stream); }
+
+  // Test controls. With auto_complete (the default) every stream's work is done as soon as it is
+  // queued; without it, work on a stream completes only at complete() / complete_all().
+  void set_auto_complete(bool on) { auto_complete_ = on; }
+  void complete(StreamId stream);
+  void complete_all();
+  void set_fault_plan(const FaultPlan& plan);
+  std::uint64_t faults_injected() const { return faults_injected_; }
+  std::size_t used_bytes() const { return used_; }
+  std::uint64_t memory_calls() const { return memory_calls_; }
+
+ private:
+  bool inject_fault();
+  std::vector<std::uint8_t>& pages_of(std::uintptr_t address, std::size_t bytes, std::size_t* first);
+
+  UpstreamKind kind_;
+  std::size_t capacity_;
+  std::size_t page_size_;
+  std::size_t used_ = 0;
+  std::uintptr_t next_address_ = 0x7f0000000000;  // looks like a device pointer, never dereferenced
+  std::map<std::uintptr_t, std::size_t> segments_;
+  struct Range { std::size_t bytes; std::vector<std::uint8_t> mapped; };
+  std::map<std::uintptr_t, Range> ranges_;
+
+  struct StreamWork { std::uint64_t queued = 0, completed = 0; };
+  std::unordered_map<StreamId, StreamWork> streams_;
+  struct Event { StreamId stream; std::uint64_t ticket; };
+  std::unordered_map<EventId, Event> events_;
+  EventId next_event_ = 1;
+  bool auto_complete_ = true;
+
+  FaultPlan faults_;
+  std::mt19937_64 rng_{1};
+  std::uint64_t memory_calls_ = 0;
+  std::uint64_t faults_injected_ = 0;
+};
+
+}  // namespace gpumem

@@ -1,0 +1,150 @@
+#include "trace.hpp"
+
+#include <zlib.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <unordered_map>
+
+namespace gpumem {
+
+namespace {
+
+[[noreturn]] void malformed(const std::string& path, std::size_t line, const std::string& what) {
+  throw InvalidArgument(path + ":" + std::to_string(line) + ": " + what);
+}
+
+// Parses an unsigned decimal field; false on anything else (signs, junk, overflow).
+bool parse_u64(const char*& p, std::uint64_t* out) {
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p < '0' || *p > '9') return false;
+  std::uint64_t v = 0;
+  while (*p >= '0' && *p <= '9') {
+    std::uint64_t next = v * 10 + static_cast<std::uint64_t>(*p - '0');
+    if (next / 10 != v) return false;
+    v = next;
+    ++p;
+  }
+  if (*p && *p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') return false;
+  *out = v;
+  return true;
+}
+
+bool at_end(const char* p) {
+  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') ++p;
+  return *p == 0;
+}
+
+}  // namespace
+
+Trace load_trace(const std::string& path) {
+  gzFile file = gzopen(path.c_str(), "rb");  // reads plain text too
+  if (!file) throw InvalidArgument(path + ": cannot open: " + std::strerror(errno));
+  Trace trace;
+  trace.path = path;
+  std::unordered_map<std::uint64_t, std::uint32_t> slots;  // id -> slot
+  std::vector<std::uint8_t> freed;
+  std::vector<char> buf(1 << 16);
+  std::size_t line = 0;
+  try {
+    while (gzgets(file, buf.data(), static_cast<int>(buf.size()))) {
+      ++line;
+      const char* s = buf.data();
+      if (std::strlen(s) == buf.size() - 1 && s[buf.size() - 2] != '\n')
+        malformed(path, line, "line longer than " + std::to_string(buf.size()) + " characters");
+      if (*s == '#') {
+        std::istringstream header(s + 1);
+        std::string key, value;
+        while (header >> key >> value) {
+          if (key == "workload") trace.workload = value;
+          if (key == "peak_live_bytes") trace.header_peak_live = std::strtoull(value.c_str(), nullptr, 10);
+        }
+        continue;
+      }
+      if (at_end(s)) continue;
+      char kind = *s;
+      const char* p = s + 1;
+      std::uint64_t id;
+      if ((kind != 'a' && kind != 'f') || (*p != ' ' && *p != '\t'))
+        malformed(path, line, "expected 'a <id> <bytes> <stream>' or 'f <id>', got '" +
+                                  std::string(s, strcspn(s, "\r\n")) + "'");
+      if (!parse_u64(p, &id)) malformed(path, line, "the id is not a non-negative integer");
+      if (kind == 'a') {
+        std::uint64_t bytes, stream;
+        if (!parse_u64(p, &bytes)) malformed(path, line, "the size is not a non-negative integer");
+        if (!parse_u64(p, &stream)) malformed(path, line, "the stream is not a non-negative integer");
+        if (!at_end(p)) malformed(path, line, "unexpected text after the stream");
+        if (bytes > kMaxRequest) malformed(path, line, "allocation of " + std::to_string(bytes) + " bytes is absurd");
+        auto [it, inserted] = slots.emplace(id, static_cast<std::uint32_t>(slots.size()));
+        if (!inserted) malformed(path, line, "id " + std::to_string(id) + " allocated twice");
+        freed.push_back(0);
+        trace.ops.push_back(TraceOp{it->second, true, bytes, static_cast<StreamId>(stream)});
+        trace.allocations++;
+      } else {
+        if (!at_end(p)) malformed(path, line, "unexpected text after the id");
+        auto it = slots.find(id);
+        if (it == slots.end()) malformed(path, line, "free of id " + std::to_string(id) + " that was never allocated");
+        if (freed[it->second]) malformed(path, line, "id " + std::to_string(id) + " freed twice");
+        freed[it->second] = 1;
+        trace.ops.push_back(TraceOp{it->second, false, 0, 0});
+      }
+    }
+    int err = 0;
+    const char* message = gzerror(file, &err);
+    if (err != Z_OK && err != Z_STREAM_END) malformed(path, line + 1, std::string("cannot decompress: ") + message);
+  } catch (...) {
+    gzclose(file);
+    throw;
+  }
+  gzclose(file);
+  if (trace.ops.empty()) throw InvalidArgument(path + ": no allocations in the trace");
+  return trace;
+}
+
+ReplayResult replay(const Trace& trace, Pool& pool,
+                    const std::function<void(std::size_t, std::size_t)>& progress) {
+  ReplayResult r;
+  std::vector<std::uintptr_t> address(trace.allocations, 0);
+  std::vector<std::uint64_t> size(trace.allocations, 0);
+  std::uint64_t live = 0;
+  const auto before = pool.stats();
+  std::chrono::nanoseconds in_pool{0};
+  const std::size_t chunk = 4096;  // ops between progress calls and clock reads
+  for (std::size_t start = 0; start < trace.ops.size(); start += chunk) {
+    const std::size_t end = std::min(trace.ops.size(), start + chunk);
+    auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t i = start; i < end; ++i) {
+      const TraceOp& op = trace.ops[i];
+      if (op.is_alloc) {
+        r.allocations++;
+        try {
+          address[op.slot] = pool.allocate(op.bytes, op.stream);
+          size[op.slot] = op.bytes;
+          live += op.bytes;
+          r.peak_live = std::max(r.peak_live, live);
+        } catch (const OutOfMemoryError& e) {
+          if (r.ooms++ == 0) r.first_oom = "operation " + std::to_string(i + 1) + ": " + e.what();
+        }
+      } else if (address[op.slot] || size[op.slot]) {
+        r.frees++;
+        pool.free(address[op.slot]);
+        live -= size[op.slot];
+        address[op.slot] = 0;
+        size[op.slot] = 0;
+      }
+    }
+    in_pool += std::chrono::steady_clock::now() - t0;
+    if (progress) progress(end, trace.ops.size());
+  }
+  const auto after = pool.stats();
+  r.peak_reserved = static_cast<std::uint64_t>(after.reserved_bytes[kAggregate].peak);
+  r.upstream_calls = static_cast<std::uint64_t>(after.num_device_alloc + after.num_device_free -
+                                                before.num_device_alloc - before.num_device_free);
+  r.fragmentation = r.peak_live ? static_cast<double>(r.peak_reserved) / static_cast<double>(r.peak_live) : 0;
+  r.ns_per_pair = r.allocations ? static_cast<double>(in_pool.count()) / static_cast<double>(r.allocations) : 0;
+  return r;
+}
+
+}  // namespace gpumem

@@ -1,0 +1,216 @@
+"""A light recorder of allocated / reserved memory over time.
+
+    from gpumem.timeline import record
+    with record(interval=0.05) as tl:   # background thread samples every 50 ms
+        train_one_epoch()
+    gpumem.plot(tl)
+
+The Jupyter extension adds one sample before and after every cell to :func:`default_timeline`.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+__all__ = ["Sample", "Timeline", "record", "default_timeline", "plot_timeline"]
+
+
+@dataclass
+class Sample:
+    t: float  # time.monotonic() seconds
+    allocated: int
+    reserved: int
+    label: Optional[str] = None
+
+
+def _default_sampler(device: Any) -> Callable[[], Tuple[int, int]]:
+    def sample() -> Tuple[int, int]:
+        from .views import get_stats, tracked_devices
+
+        if device is None:
+            devs = tracked_devices()
+            a = r = 0
+            for d in devs:
+                s = get_stats(d)
+                a += int(s.get("allocated_bytes.all.current", 0))
+                r += int(s.get("reserved_bytes.all.current", 0))
+            return a, r
+        s = get_stats(device)
+        return int(s.get("allocated_bytes.all.current", 0)), int(s.get("reserved_bytes.all.current", 0))
+
+    return sample
+
+
+class Timeline:
+    """Samples of (time, allocated, reserved, label).
+
+    ``sampler``: a callable returning ``(allocated, reserved)``; default reads the allocator stats of
+    ``device`` (None: the sum over every device in use).  Holds at most ``maxlen`` samples.
+    """
+
+    def __init__(self, device: Any = None, interval: float = 0.05, maxlen: int = 100_000,
+                 sampler: Optional[Callable[[], Tuple[int, int]]] = None):
+        self.device = device
+        self.interval = float(interval)
+        self.samples: "collections.deque[Sample]" = collections.deque(maxlen=maxlen)
+        self._sampler = sampler or _default_sampler(device)
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    # -- adding samples -------------------------------------------------------------------
+    def add(self, allocated: int, reserved: int, t: Optional[float] = None, label: Optional[str] = None) -> Sample:
+        s = Sample(time.monotonic() if t is None else float(t), int(allocated), int(reserved), label)
+        with self._lock:
+            self.samples.append(s)
+        return s
+
+    def sample(self, label: Optional[str] = None) -> Sample:
+        a, r = self._sampler()
+        return self.add(a, r, label=label)
+
+    mark = sample
+
+    def clear(self) -> None:
+        with self._lock:
+            self.samples.clear()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def snapshot(self) -> List[Sample]:
+        with self._lock:
+            return list(self.samples)
+
+    # -- background sampling ---------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, interval: Optional[float] = None) -> "Timeline":
+        if interval is not None:
+            self.interval = float(interval)
+        if self.running:
+            return self
+        self._stop.clear()
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.sample()
+                except Exception:
+                    pass
+                self._stop.wait(self.interval)
+
+        self._thread = threading.Thread(target=loop, name="gpumem-timeline", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> "Timeline":
+        self._stop.set()
+        th, self._thread = self._thread, None
+        if th is not None:
+            th.join(timeout=max(1.0, 2 * self.interval))
+        return self
+
+    def __enter__(self) -> "Timeline":
+        try:
+            self.sample(label="start")
+        except Exception:
+            pass
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        try:
+            self.sample(label="end")
+        except Exception:
+            pass
+
+    # -- output ---------------------------------------------------------------------------
+    def peak(self) -> Tuple[int, int]:
+        snap = self.snapshot()
+        if not snap:
+            return 0, 0
+        return max(s.allocated for s in snap), max(s.reserved for s in snap)
+
+    def to_dict(self) -> dict:
+        snap = self.snapshot()
+        return {
+            "t": [s.t for s in snap],
+            "allocated": [s.allocated for s in snap],
+            "reserved": [s.reserved for s in snap],
+            "label": [s.label for s in snap],
+        }
+
+    def plot(self, ax: Any = None, title: Optional[str] = None):
+        return plot_timeline(self, ax=ax, title=title)
+
+    def __repr__(self) -> str:
+        return f"<gpumem Timeline: {len(self)} samples{' (recording)' if self.running else ''}>"
+
+
+_DEFAULT: Optional[Timeline] = None
+
+
+def default_timeline() -> Timeline:
+    """The session-wide timeline (filled per cell by the Jupyter extension)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Timeline()
+    return _DEFAULT
+
+
+@contextlib.contextmanager
+def record(interval: float = 0.05, device: Any = None, timeline: Optional[Timeline] = None) -> Iterator[Timeline]:
+    """Sample allocated/reserved every ``interval`` seconds in a background thread while the block runs."""
+    tl = timeline if timeline is not None else Timeline(device=device, interval=interval)
+    tl.interval = float(interval)
+    with tl:
+        yield tl
+
+
+def plot_timeline(tl: Timeline, ax: Any = None, title: Optional[str] = None):
+    """Draw ``tl`` (allocated and reserved vs seconds) and return the matplotlib Figure."""
+    from matplotlib.figure import Figure
+
+    snap = tl.snapshot()
+    if ax is None:
+        fig = Figure(figsize=(8, 3.6), layout="constrained")
+        ax = fig.add_subplot(1, 1, 1)
+    else:
+        fig = ax.figure
+    peak = max([max(s.allocated, s.reserved) for s in snap] + [1])
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)):
+        if peak >= scale:
+            break
+    if snap:
+        t0 = snap[0].t
+        xs = [s.t - t0 for s in snap]
+        al = [s.allocated / scale for s in snap]
+        rs = [s.reserved / scale for s in snap]
+        ax.step(xs, rs, where="post", label="reserved", color="tab:orange")
+        ax.fill_between(xs, al, step="post", alpha=0.35, color="tab:blue")
+        ax.step(xs, al, where="post", label="allocated", color="tab:blue")
+        i_pk = max(range(len(al)), key=al.__getitem__)
+        ax.annotate(f"peak {al[i_pk]:.2f} {unit}", (xs[i_pk], al[i_pk]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
+        labelled = [(x, s.label) for x, s in zip(xs, snap) if s.label]
+        if len(labelled) <= 40:
+            for x, lab in labelled:
+                ax.axvline(x, color="grey", lw=0.5, alpha=0.4)
+                ax.annotate(lab, (x, 0), xycoords=("data", "axes fraction"), xytext=(2, 2),
+                            textcoords="offset points", fontsize=7, color="grey", rotation=90)
+    else:
+        ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel(unit)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or "GPU memory: allocated and reserved")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig

@@ -12,7 +12,7 @@ namespace gpumem {
 template <typename Value>
 class AddressMap {
  public:
-  AddressMap() { slots_.resize(64); }
+  AddressMap() { slots_.resize(64); }  // shift_ matches 64 slots
 
   std::size_t size() const { return size_; }
 
@@ -66,8 +66,8 @@ class AddressMap {
   };
   std::size_t mask() const { return slots_.size() - 1; }
   std::size_t index(std::uintptr_t key) const {
-    // Addresses are 512-aligned: drop the zero bits, then spread with a Fibonacci multiply.
-    return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> 20) & mask();
+    // Addresses are 512-aligned: drop the zero bits, then Fibonacci hashing (keep the top bits).
+    return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_);
   }
   void place(std::uintptr_t key, Value value) {
     for (std::size_t i = index(key);; i = (i + 1) & mask()) {
@@ -82,6 +82,7 @@ class AddressMap {
   void grow() {
     std::vector<Slot> old(slots_.size() * 2);
     old.swap(slots_);
+    --shift_;
     size_ = 0;
     for (const Slot& s : old)
       if (s.used) place(s.key, s.value);
@@ -89,6 +90,7 @@ class AddressMap {
 
   std::vector<Slot> slots_;
   std::size_t size_ = 0;
+  int shift_ = 64 - 6;  // 64 - log2(slots_.size())
 };
 
 }  // namespace gpumem

@@ -50,6 +50,10 @@ Pool::~Pool() {
 
 // ---- small helpers -------------------------------------------------------------------------------
 
+bool Pool::BySizeThenAddress::operator()(const Block* a, const Block* b) const {
+  return a->size != b->size ? a->size < b->size : a->address < b->address;
+}
+
 template <typename F>
 void Pool::update(StatArray& stat, StatType type, F&& op) {
   op(stat[kAggregate]);
@@ -299,7 +303,7 @@ void Pool::split(Block* block, std::size_t size) {
 void Pool::insert_free(Block* block) {
   auto& set = block->region->arena->free_blocks;
   if (Block* p = block->prev; p && p->state == BlockInfo::kFree) {
-    set.erase(p);
+    set.erase(p->position);
     p->size += block->size;
     p->next = block->next;
     if (block->next) block->next->prev = p;
@@ -307,13 +311,13 @@ void Pool::insert_free(Block* block) {
     block = p;
   }
   if (Block* n = block->next; n && n->state == BlockInfo::kFree) {
-    set.erase(n);
+    set.erase(n->position);
     block->size += n->size;
     block->next = n->next;
     if (n->next) n->next->prev = block;
     delete_block(n);
   }
-  set.insert(block);
+  block->position = set.insert(block).first;
 }
 
 // ---- free ----------------------------------------------------------------------------------------
@@ -459,7 +463,7 @@ std::size_t Pool::release_cached(std::size_t target) {
       }
       upstream_->free_segment(region->base, region->size);  // throws: segment stays, accounted
       stats_.num_device_free++;
-      arena.free_blocks.erase(b);
+      arena.free_blocks.erase(b->position);
       delete_block(b);
       add_reserved(region, -static_cast<std::int64_t>(region->size));
       released += region->size;

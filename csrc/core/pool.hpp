@@ -22,7 +22,6 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <memory_resource>
 #include <mutex>
 #include <set>
 #include <string>
@@ -31,6 +30,7 @@
 
 #include "address_map.hpp"
 #include "errors.hpp"
+#include "node_cache.hpp"
 #include "stats.hpp"
 #include "types.hpp"
 #include "upstream.hpp"
@@ -115,6 +115,11 @@ class Pool {
  private:
   struct Region;
   struct Arena;
+  struct Block;
+  struct BySizeThenAddress {
+    bool operator()(const Block* a, const Block* b) const;
+  };
+  using FreeSet = std::set<Block*, BySizeThenAddress, CachedNodeAllocator<Block*>>;
   struct Block {
     std::uintptr_t address = 0;
     std::size_t size = 0;
@@ -125,11 +130,7 @@ class Pool {
     BlockInfo::State state = BlockInfo::kFree;
     std::uint32_t pending_events = 0;
     std::vector<StreamId> extra_streams;
-  };
-  struct BySizeThenAddress {
-    bool operator()(const Block* a, const Block* b) const {
-      return a->size != b->size ? a->size < b->size : a->address < b->address;
-    }
+    FreeSet::iterator position;  // where it sits in its arena's free set while free: erase skips a search
   };
   struct Region {
     std::uintptr_t base = 0;
@@ -145,9 +146,8 @@ class Pool {
     StreamId stream = 0;
     bool small = false;
     std::vector<std::unique_ptr<Region>> regions;
-    // Set nodes come from a per-arena pool: the hot path never calls malloc.
-    std::pmr::unsynchronized_pool_resource node_pool;
-    std::pmr::set<Block*, BySizeThenAddress> free_blocks{&node_pool};
+    NodeCache nodes;  // recycles the set's nodes: the hot path never calls malloc
+    FreeSet free_blocks{BySizeThenAddress(), CachedNodeAllocator<Block*>(&nodes)};
   };
   struct PendingFree {
     Block* block;

@@ -1,6 +1,18 @@
 #include "trace.hpp"
 
+#if GPUMEM_WITH_ZLIB
 #include <zlib.h>
+#else
+// Without zlib, read plain text through the same calls (gzip traces are refused by their magic).
+#include <cstdio>
+using gzFile = FILE*;
+static gzFile gzopen(const char* path, const char* mode) { return std::fopen(path, mode); }
+static char* gzgets(gzFile f, char* buf, int len) { return std::fgets(buf, len, f); }
+static int gzclose(gzFile f) { return std::fclose(f); }
+#define Z_OK 0
+#define Z_STREAM_END 1
+static const char* gzerror(gzFile f, int* err) { *err = std::ferror(f) ? -1 : Z_OK; return "read error"; }
+#endif
 
 #include <chrono>
 #include <cstdlib>
@@ -52,6 +64,8 @@ Trace load_trace(const std::string& path) {
     while (gzgets(file, buf.data(), static_cast<int>(buf.size()))) {
       ++line;
       const char* s = buf.data();
+      if (line == 1 && static_cast<unsigned char>(s[0]) == 0x1f && static_cast<unsigned char>(s[1]) == 0x8b)
+        malformed(path, line, "gzip data, but this build has no zlib: decompress the trace first");
       if (std::strlen(s) == buf.size() - 1 && s[buf.size() - 2] != '\n')
         malformed(path, line, "line longer than " + std::to_string(buf.size()) + " characters");
       if (*s == '#') {

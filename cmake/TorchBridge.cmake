@@ -1,0 +1,43 @@
+# The torch bridge (gpumem._bridge) is built against the torch installed in the Python that builds
+# gpumem, and only when that torch has CUDA. Paths come from torch itself rather than its CMake
+# package, which would pull in a full CUDA toolchain search.
+execute_process(
+  COMMAND ${Python_EXECUTABLE} -c "import torch, os, torch.utils.cpp_extension as e; print(torch.__version__); print(torch.version.cuda or ''); print(';'.join(e.include_paths())); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"
+  OUTPUT_VARIABLE GPUMEM_TORCH_INFO
+  ERROR_VARIABLE GPUMEM_TORCH_ERROR
+  RESULT_VARIABLE GPUMEM_TORCH_RESULT
+  OUTPUT_STRIP_TRAILING_WHITESPACE)
+
+set(GPUMEM_BRIDGE_SOURCES
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/allocator.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/module.cpp)
+
+if(NOT GPUMEM_TORCH_RESULT EQUAL 0)
+  message(STATUS "gpumem: torch bridge skipped: torch is not importable by ${Python_EXECUTABLE}")
+elseif(NOT GPUMEM_CUDA_INCLUDE)
+  message(STATUS "gpumem: torch bridge skipped: the CUDA toolkit headers were not found")
+else()
+  string(REPLACE "\n" ";" GPUMEM_TORCH_INFO "${GPUMEM_TORCH_INFO}")
+  list(GET GPUMEM_TORCH_INFO 0 GPUMEM_TORCH_VERSION)
+  list(GET GPUMEM_TORCH_INFO 1 GPUMEM_TORCH_CUDA)
+  if(GPUMEM_TORCH_CUDA STREQUAL "")
+    message(STATUS "gpumem: torch bridge skipped: torch ${GPUMEM_TORCH_VERSION} is a CPU-only build")
+  else()
+    list(GET GPUMEM_TORCH_INFO 2 GPUMEM_TORCH_INCLUDES)
+    list(GET GPUMEM_TORCH_INFO 3 GPUMEM_TORCH_LIBDIR)
+    list(GET GPUMEM_TORCH_INFO 4 GPUMEM_TORCH_ABI)
+    string(REPLACE "," ";" GPUMEM_TORCH_INCLUDES "${GPUMEM_TORCH_INCLUDES}")
+    message(STATUS "gpumem: building the torch bridge against torch ${GPUMEM_TORCH_VERSION} (CUDA ${GPUMEM_TORCH_CUDA})")
+    # Compiled with torch's bundled pybind11 (first in torch's include paths), not the pip one, so
+    # that objects of torch's registered types (its allocator handles) pass between the modules.
+    Python_add_library(_bridge MODULE WITH_SOABI ${GPUMEM_BRIDGE_SOURCES})
+    set_target_properties(_bridge PROPERTIES CXX_VISIBILITY_PRESET hidden)
+    target_include_directories(_bridge PRIVATE ${GPUMEM_TORCH_INCLUDES} ${GPUMEM_CUDA_INCLUDE})
+    target_compile_definitions(_bridge PRIVATE _GLIBCXX_USE_CXX11_ABI=${GPUMEM_TORCH_ABI} USE_CUDA=1)
+    target_link_directories(_bridge PRIVATE ${GPUMEM_TORCH_LIBDIR})
+    target_link_libraries(_bridge PRIVATE gpumem_core c10 c10_cuda torch torch_cpu torch_cuda torch_python)
+    # Found at run time next to torch's own libraries, which torch has already loaded.
+    set_target_properties(_bridge PROPERTIES INSTALL_RPATH "${GPUMEM_TORCH_LIBDIR}")
+    install(TARGETS _bridge LIBRARY DESTINATION gpumem)
+  endif()
+endif()

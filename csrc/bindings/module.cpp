@@ -1,0 +1,274 @@
+// gpumem._C: thin pybind11 bindings over the core. Only argument conversion and error translation
+// live here; every behaviour is in csrc/core.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <climits>
+
+#include "../core/config.hpp"
+#include "../core/cuda_upstream.hpp"
+#include "../core/pool.hpp"
+#include "../core/simulated_device.hpp"
+#include "../core/trace.hpp"
+
+namespace py = pybind11;
+using namespace gpumem;
+
+namespace {
+
+// Sizes arrive as Python ints: reject negatives and absurd values with a message, not a TypeError.
+std::size_t to_size(const py::int_& value, const char* what) {
+  long long v;
+  try {
+    v = value.cast<long long>();
+  } catch (const py::cast_error&) {
+    throw InvalidArgument(std::string(what) + " is too large to be a size");
+  }
+  if (v < 0) throw InvalidArgument(std::string(what) + " must be >= 0, got " + std::to_string(v));
+  return static_cast<std::size_t>(v);
+}
+
+std::uintptr_t to_address(const py::int_& value) {
+  unsigned long long v;
+  try {
+    v = value.cast<unsigned long long>();
+  } catch (const py::cast_error&) {
+    throw InvalidArgument("a pointer must be a non-negative integer");
+  }
+  return static_cast<std::uintptr_t>(v);
+}
+
+UpstreamKind parse_kind(const std::string& kind) {
+  if (kind == "vmm" || kind == "pages") return UpstreamKind::kPages;
+  if (kind == "segments") return UpstreamKind::kSegments;
+  throw InvalidArgument("upstream kind must be 'vmm' or 'segments', got '" + kind + "'");
+}
+
+ReleasePolicy parse_release(const std::string& release) {
+  if (release == "high_water") return ReleasePolicy::kHighWater;
+  if (release == "never") return ReleasePolicy::kNever;
+  throw InvalidArgument("release must be 'high_water' or 'never', got '" + release + "'");
+}
+
+py::dict stat_dict(const Stat& s) {
+  py::dict d;
+  d["current"] = s.current;
+  d["peak"] = s.peak;
+  d["allocated"] = s.allocated;
+  d["freed"] = s.freed;
+  return d;
+}
+
+// The same nested shape as torch._C._cuda_memoryStats, so torch's flattening code applies.
+py::dict stats_dict(const DeviceStats& s) {
+  py::dict out;
+  auto arr = [](const StatArray& a) {
+    py::dict d;
+    d["all"] = stat_dict(a[kAggregate]);
+    d["small_pool"] = stat_dict(a[kSmallPool]);
+    d["large_pool"] = stat_dict(a[kLargePool]);
+    return d;
+  };
+  out["allocation"] = arr(s.allocation);
+  out["segment"] = arr(s.segment);
+  out["active"] = arr(s.active);
+  out["inactive_split"] = arr(s.inactive_split);
+  out["allocated_bytes"] = arr(s.allocated_bytes);
+  out["reserved_bytes"] = arr(s.reserved_bytes);
+  out["active_bytes"] = arr(s.active_bytes);
+  out["inactive_split_bytes"] = arr(s.inactive_split_bytes);
+  out["requested_bytes"] = arr(s.requested_bytes);
+  out["num_alloc_retries"] = s.num_alloc_retries;
+  out["num_ooms"] = s.num_ooms;
+  out["num_sync_all_streams"] = s.num_sync_all_streams;
+  out["num_device_alloc"] = s.num_device_alloc;
+  out["num_device_free"] = s.num_device_free;
+  out["oversize_allocations"] = stat_dict(s.oversize_allocations);
+  out["oversize_segments"] = stat_dict(s.oversize_segments);
+  out["max_split_size"] = s.max_split_size;
+  return out;
+}
+
+py::dict replay_dict(const ReplayResult& r) {
+  py::dict d;
+  d["peak_live_bytes"] = r.peak_live;
+  d["peak_reserved_bytes"] = r.peak_reserved;
+  d["fragmentation"] = r.fragmentation;
+  d["upstream_calls"] = r.upstream_calls;
+  d["ns_per_pair"] = r.ns_per_pair;
+  d["allocations"] = r.allocations;
+  d["frees"] = r.frees;
+  d["ooms"] = r.ooms;
+  d["first_oom"] = r.first_oom;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gpumem's C++ core: the pooled allocator, its upstreams, config parsing and trace replay.";
+
+  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
+  py::register_exception<InvariantViolation>(m, "InvariantViolation", PyExc_AssertionError);
+  py::register_exception<UpstreamError>(m, "UpstreamError", PyExc_RuntimeError);
+
+  py::class_<Upstream, std::shared_ptr<Upstream>>(m, "Upstream")
+      .def_property_readonly("name", &Upstream::name)
+      .def_property_readonly("page_size", &Upstream::page_size)
+      .def_property_readonly("total_bytes", &Upstream::device_total_bytes)
+      .def_property_readonly("free_bytes", &Upstream::device_free_bytes);
+
+  py::class_<SimulatedDevice, Upstream, std::shared_ptr<SimulatedDevice>>(m, "SimulatedDevice")
+      .def(py::init([](const std::string& kind, const py::int_& capacity, const py::int_& page_size) {
+             return std::make_shared<SimulatedDevice>(parse_kind(kind), to_size(capacity, "capacity"),
+                                                      to_size(page_size, "page_size"));
+           }),
+           py::arg("kind") = "vmm", py::arg("capacity") = py::int_(80ull * GiB),
+           py::arg("page_size") = py::int_(2 * MiB),
+           "A device in host memory: fake addresses, a capacity and a page size (kind 'vmm' or 'segments').")
+      .def("set_auto_complete", &SimulatedDevice::set_auto_complete, py::arg("on"))
+      .def("complete", &SimulatedDevice::complete, py::arg("stream"),
+           "Marks all work queued so far on `stream` as done.")
+      .def("complete_all", &SimulatedDevice::complete_all)
+      .def("set_fault_plan",
+           [](SimulatedDevice& d, std::uint64_t every, double probability, bool fail_unmap, std::uint64_t seed) {
+             d.set_fault_plan(FaultPlan{every, probability, fail_unmap, seed});
+           },
+           py::arg("fail_every") = 0, py::arg("fail_probability") = 0.0, py::arg("fail_unmap") = false,
+           py::arg("seed") = 1)
+      .def_property_readonly("faults_injected", &SimulatedDevice::faults_injected)
+      .def_property_readonly("used_bytes", &SimulatedDevice::used_bytes);
+
+  m.def("cuda_upstreams_built", &cuda_upstreams_built);
+  m.def("cuda_available", &cuda_available);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("cuda_vmm_supported", &cuda_vmm_supported, py::arg("device") = 0);
+  m.def("cuda_upstream",
+        [](const std::string& kind, int device) { return make_cuda_upstream(parse_kind(kind), device); },
+        py::arg("kind") = "vmm", py::arg("device") = 0,
+        "A CUDA upstream: 'vmm' (virtual memory pages) or 'segments' (cuMemAlloc).");
+
+  py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
+      .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
+                       int device) {
+             PoolOptions o;
+             o.cap_bytes = to_size(cap, "cap");
+             o.release = parse_release(release);
+             o.device = device;
+             return std::make_shared<Pool>(std::move(upstream), o);
+           }),
+           py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "high_water", py::arg("device") = 0)
+      .def("allocate",
+           [](Pool& p, const py::int_& size, StreamId stream) {
+             std::size_t bytes = to_size(size, "size");
+             py::gil_scoped_release no_gil;  // OOM callbacks take the GIL themselves
+             return p.allocate(bytes, stream);
+           },
+           py::arg("size"), py::arg("stream") = 0,
+           "Returns a 512-byte aligned address (0 for size 0). Raises OutOfMemoryError or ValueError.")
+      .def("free", [](Pool& p, const py::int_& ptr) { p.free(to_address(ptr)); }, py::arg("ptr"))
+      .def("record_stream", [](Pool& p, const py::int_& ptr, StreamId s) { p.record_stream(to_address(ptr), s); },
+           py::arg("ptr"), py::arg("stream"))
+      .def("process_events", &Pool::process_events)
+      .def("trim", &Pool::trim, "Returns every fully free page or segment to the device; returns the bytes released.")
+      .def("set_cap", [](Pool& p, const py::int_& cap) { p.set_cap(to_size(cap, "cap")); }, py::arg("cap"))
+      .def_property_readonly("cap", &Pool::cap)
+      .def_property_readonly("effective_cap", &Pool::effective_cap)
+      .def_property_readonly("device", &Pool::device)
+      .def("stats", [](const Pool& p) { return stats_dict(p.stats()); },
+           "Statistics in the nested shape of torch._C._cuda_memoryStats.")
+      .def("reset_peak_stats", &Pool::reset_peak_stats)
+      .def("reset_accumulated_stats", &Pool::reset_accumulated_stats)
+      .def("largest_free_block", &Pool::largest_free_block)
+      .def("allocation_size", [](const Pool& p, const py::int_& ptr) { return p.allocation_size(to_address(ptr)); })
+      .def("snapshot",
+           [](const Pool& p) {
+             py::list regions;
+             for (const RegionInfo& r : p.snapshot()) {
+               py::list blocks;
+               for (const BlockInfo& b : r.blocks) {
+                 py::dict bd;
+                 bd["address"] = b.address;
+                 bd["size"] = b.size;
+                 bd["requested_size"] = b.requested;
+                 bd["state"] = b.state == BlockInfo::kAllocated ? "active_allocated"
+                               : b.state == BlockInfo::kPending ? "active_pending_free"
+                                                                : "inactive";
+                 blocks.append(bd);
+               }
+               py::dict rd;
+               rd["address"] = r.address;
+               rd["total_size"] = r.size;
+               rd["reserved_size"] = r.reserved;
+               rd["stream"] = r.stream;
+               rd["segment_type"] = r.small ? "small" : "large";
+               rd["blocks"] = blocks;
+               regions.append(rd);
+             }
+             return regions;
+           })
+      .def("add_oom_callback",
+           [](Pool& p, py::function fn) {
+             // Called without the pool lock and possibly without the GIL: take it, and never let a
+             // Python error escape into the allocator.
+             auto holder = std::make_shared<py::function>(std::move(fn));
+             return p.add_oom_callback([holder] {
+               py::gil_scoped_acquire gil;
+               try {
+                 (*holder)();
+               } catch (py::error_already_set& e) {
+                 e.discard_as_unraisable("gpumem out-of-memory callback");
+               }
+             });
+           },
+           py::arg("callback"), "Runs `callback()` before the last retry of an allocation that would fail.")
+      .def("remove_oom_callback", &Pool::remove_oom_callback, py::arg("id"))
+      .def("validate", &Pool::validate, "Checks every invariant of the pool; raises InvariantViolation.")
+      .def_property_readonly("upstream", [](Pool& p) { return &p.upstream(); }, py::return_value_policy::reference_internal);
+
+  py::class_<Trace, std::shared_ptr<Trace>>(m, "Trace")
+      .def_readonly("path", &Trace::path)
+      .def_readonly("workload", &Trace::workload)
+      .def_readonly("header_peak_live", &Trace::header_peak_live)
+      .def_readonly("allocations", &Trace::allocations)
+      .def_property_readonly("operations", [](const Trace& t) { return t.ops.size(); });
+  m.def("load_trace", [](const std::string& path) {
+        py::gil_scoped_release no_gil;
+        return std::make_shared<Trace>(load_trace(path));
+      }, py::arg("path"), "Parses a trace file (plain or gzip); raises ValueError 'file:line: ...'.");
+  m.def("replay",
+        [](const Trace& trace, Pool& pool, py::object progress) {
+          std::function<void(std::size_t, std::size_t)> cb;
+          if (!progress.is_none())
+            cb = [&progress](std::size_t done, std::size_t total) {
+              py::gil_scoped_acquire gil;
+              progress(done, total);
+            };
+          ReplayResult r;
+          {
+            py::gil_scoped_release no_gil;
+            r = replay(trace, pool, cb);
+          }
+          return replay_dict(r);
+        },
+        py::arg("trace"), py::arg("pool"), py::arg("progress") = py::none());
+
+  m.def("parse_config",
+        [](const std::string& text, const std::string& source) {
+          Config c = parse_config(text, source);
+          py::dict d;
+          d["upstream"] = c.upstream;
+          d["cap_bytes"] = c.cap_bytes;
+          d["cap_fraction"] = c.cap_fraction;
+          d["release"] = to_string(c.release);
+          d["gc_on_oom"] = c.gc_on_oom;
+          return d;
+        },
+        py::arg("text"), py::arg("source") = "GPUMEM_CONF",
+        "Parses a GPUMEM_CONF string; raises ValueError naming the key and the accepted values.");
+  m.def("parse_size", &parse_size, py::arg("text"));
+  m.attr("HAS_ZLIB") = bool(GPUMEM_WITH_ZLIB);
+  m.attr("ALIGNMENT") = kAlignment;
+  m.attr("SMALL_LIMIT") = kSmallLimit;
+}

@@ -1,0 +1,308 @@
+// CUDA upstreams over the driver API. libcuda is opened with dlopen at first use, so this file links
+// against nothing CUDA: gpumem builds and imports on machines without a GPU or driver.
+#include "cuda_upstream.hpp"
+
+#include "errors.hpp"
+
+#if GPUMEM_WITH_CUDA
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace gpumem {
+
+namespace {
+
+#define GPUMEM_STR2(x) #x
+#define GPUMEM_STR(x) GPUMEM_STR2(x)  // expands cuda.h's versioned names (cuMemAlloc -> cuMemAlloc_v2)
+
+// The driver entry points gpumem uses, resolved once.
+struct Driver {
+#define GPUMEM_DRIVER_FN(name) decltype(&::name) name = nullptr;
+#define GPUMEM_DRIVER_FNS(X)                                                                        \
+  X(cuInit) X(cuGetErrorString) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetAttribute)         \
+  X(cuDevicePrimaryCtxRetain) X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuMemGetInfo) X(cuMemAlloc) \
+  X(cuMemFree) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)           \
+  X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)    \
+  X(cuEventRecord) X(cuEventQuery) X(cuEventDestroy) X(cuStreamSynchronize)
+  GPUMEM_DRIVER_FNS(GPUMEM_DRIVER_FN)
+  bool loaded = false;
+  std::string why_not;
+};
+
+const Driver& driver() {
+  static Driver d;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      d.why_not = std::string("cannot load the CUDA driver (libcuda.so.1): ") + dlerror();
+      return;
+    }
+#define GPUMEM_RESOLVE(name)                                                              \
+  d.name = reinterpret_cast<decltype(d.name)>(dlsym(lib, GPUMEM_STR(name)));             \
+  if (!d.name) {                                                                          \
+    d.why_not = "the CUDA driver lacks " GPUMEM_STR(name) "; update the NVIDIA driver";  \
+    return;                                                                               \
+  }
+    GPUMEM_DRIVER_FNS(GPUMEM_RESOLVE)
+    CUresult r = d.cuInit(0);
+    if (r != CUDA_SUCCESS) {
+      d.why_not = "cuInit failed with CUDA error " + std::to_string(r);
+      return;
+    }
+    d.loaded = true;
+  });
+  return d;
+}
+
+[[noreturn]] void fail(CUresult r, const char* call) {
+  const char* text = nullptr;
+  if (driver().cuGetErrorString) driver().cuGetErrorString(r, &text);
+  throw UpstreamError(std::string("gpumem: ") + call + " failed: " + (text ? text : "unknown error") +
+                      " (CUDA error " + std::to_string(r) + ")");
+}
+
+void check(CUresult r, const char* call) {
+  if (r != CUDA_SUCCESS) fail(r, call);
+}
+
+const Driver& loaded_driver() {
+  const Driver& d = driver();
+  if (!d.loaded) throw UpstreamError("gpumem: " + d.why_not);
+  return d;
+}
+
+// Makes the device's primary context current for the scope of one upstream call, whatever device
+// the calling thread has selected (tensors of cuda:1 may be freed while cuda:0 is current).
+class ContextScope {
+ public:
+  explicit ContextScope(CUcontext ctx) { check(loaded_driver().cuCtxPushCurrent(ctx), "cuCtxPushCurrent"); }
+  ~ContextScope() {
+    CUcontext popped;
+    driver().cuCtxPopCurrent(&popped);
+  }
+};
+
+class CudaUpstreamBase : public Upstream {
+ public:
+  explicit CudaUpstreamBase(int device) : device_(device) {
+    const Driver& d = loaded_driver();
+    int count = 0;
+    check(d.cuDeviceGetCount(&count), "cuDeviceGetCount");
+    if (device < 0 || device >= count)
+      throw InvalidArgument("gpumem: CUDA device " + std::to_string(device) + " does not exist (" +
+                            std::to_string(count) + " visible)");
+    check(d.cuDeviceGet(&cu_device_, device), "cuDeviceGet");
+    check(d.cuDevicePrimaryCtxRetain(&context_, cu_device_), "cuDevicePrimaryCtxRetain");
+    ContextScope scope(context_);
+    std::size_t free_bytes = 0;
+    check(d.cuMemGetInfo(&free_bytes, &total_), "cuMemGetInfo");
+  }
+
+  std::size_t device_total_bytes() const override { return total_; }
+  std::size_t device_free_bytes() const override {
+    ContextScope scope(context_);
+    std::size_t free_bytes = 0, total = 0;
+    check(driver().cuMemGetInfo(&free_bytes, &total), "cuMemGetInfo");
+    return free_bytes;
+  }
+
+  EventId record_event(StreamId stream) override {
+    ContextScope scope(context_);
+    CUevent event;
+    check(driver().cuEventCreate(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    CUresult r = driver().cuEventRecord(event, reinterpret_cast<CUstream>(stream));
+    if (r != CUDA_SUCCESS) {
+      driver().cuEventDestroy(event);
+      fail(r, "cuEventRecord");
+    }
+    return reinterpret_cast<EventId>(event);
+  }
+  bool event_completed(EventId event) override {
+    ContextScope scope(context_);
+    CUresult r = driver().cuEventQuery(reinterpret_cast<CUevent>(event));
+    if (r == CUDA_ERROR_NOT_READY) return false;
+    check(r, "cuEventQuery");
+    return true;
+  }
+  void destroy_event(EventId event) override {
+    ContextScope scope(context_);
+    check(driver().cuEventDestroy(reinterpret_cast<CUevent>(event)), "cuEventDestroy");
+  }
+  void synchronize(StreamId stream) override {
+    ContextScope scope(context_);
+    check(driver().cuStreamSynchronize(reinterpret_cast<CUstream>(stream)), "cuStreamSynchronize");
+  }
+
+ protected:
+  int device_;
+  CUdevice cu_device_ = 0;
+  CUcontext context_ = nullptr;
+  std::size_t total_ = 0;
+};
+
+// cudaMalloc-style: each region is one cuMemAlloc, returned whole with cuMemFree.
+class CudaSegmentUpstream : public CudaUpstreamBase {
+ public:
+  using CudaUpstreamBase::CudaUpstreamBase;
+  UpstreamKind kind() const override { return UpstreamKind::kSegments; }
+  std::string name() const override { return "cuda-segments"; }
+  std::size_t page_size() const override { return 2 * MiB; }
+
+  std::uintptr_t allocate_segment(std::size_t bytes) override {
+    ContextScope scope(context_);
+    CUdeviceptr ptr = 0;
+    CUresult r = driver().cuMemAlloc(&ptr, bytes);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return 0;
+    check(r, "cuMemAlloc");
+    return static_cast<std::uintptr_t>(ptr);
+  }
+  void free_segment(std::uintptr_t address, std::size_t) override {
+    ContextScope scope(context_);
+    check(driver().cuMemFree(static_cast<CUdeviceptr>(address)), "cuMemFree");
+  }
+};
+
+// Virtual memory: one physical allocation (handle) per page, so any single page can go back.
+class CudaVmmUpstream : public CudaUpstreamBase {
+ public:
+  explicit CudaVmmUpstream(int device) : CudaUpstreamBase(device) {
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = device;
+    std::size_t granularity = 0;
+    check(driver().cuMemGetAllocationGranularity(&granularity, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+          "cuMemGetAllocationGranularity");
+    page_ = std::max<std::size_t>(2 * MiB, granularity);
+    page_ = round_up(page_, granularity);
+    access_.location = prop_.location;
+    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  UpstreamKind kind() const override { return UpstreamKind::kPages; }
+  std::string name() const override { return "cuda-vmm"; }
+  std::size_t page_size() const override { return page_; }
+
+  std::uintptr_t reserve_address_range(std::size_t bytes) override {
+    ContextScope scope(context_);
+    CUdeviceptr ptr = 0;
+    CUresult r = driver().cuMemAddressReserve(&ptr, bytes, page_, 0, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return 0;
+    check(r, "cuMemAddressReserve");
+    return static_cast<std::uintptr_t>(ptr);
+  }
+  void release_address_range(std::uintptr_t address, std::size_t bytes) override {
+    ContextScope scope(context_);
+    check(driver().cuMemAddressFree(static_cast<CUdeviceptr>(address), bytes), "cuMemAddressFree");
+  }
+
+  bool map(std::uintptr_t address, std::size_t bytes) override {
+    ContextScope scope(context_);
+    std::vector<std::uintptr_t> done;
+    auto undo = [&] {
+      for (std::uintptr_t a : done) unmap_page(a);
+    };
+    for (std::uintptr_t a = address; a < address + bytes; a += page_) {
+      CUmemGenericAllocationHandle handle;
+      CUresult r = driver().cuMemCreate(&handle, page_, &prop_, 0);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+        undo();
+        return false;
+      }
+      if (r != CUDA_SUCCESS) {
+        undo();
+        fail(r, "cuMemCreate");
+      }
+      r = driver().cuMemMap(static_cast<CUdeviceptr>(a), page_, 0, handle, 0);
+      if (r != CUDA_SUCCESS) {
+        driver().cuMemRelease(handle);
+        undo();
+        if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+        fail(r, "cuMemMap");
+      }
+      handles_[a] = handle;
+      done.push_back(a);
+    }
+    CUresult r = driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access_, 1);
+    if (r != CUDA_SUCCESS) {
+      undo();
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+      fail(r, "cuMemSetAccess");
+    }
+    return true;
+  }
+
+  void unmap(std::uintptr_t address, std::size_t bytes) override {
+    ContextScope scope(context_);
+    for (std::uintptr_t a = address; a < address + bytes; a += page_) unmap_page(a);
+  }
+
+ private:
+  void unmap_page(std::uintptr_t a) {
+    auto it = handles_.find(a);
+    if (it == handles_.end()) throw UpstreamError("gpumem: unmap of a page that gpumem never mapped");
+    check(driver().cuMemUnmap(static_cast<CUdeviceptr>(a), page_), "cuMemUnmap");
+    check(driver().cuMemRelease(it->second), "cuMemRelease");
+    handles_.erase(it);
+  }
+
+  CUmemAllocationProp prop_ = {};
+  CUmemAccessDesc access_ = {};
+  std::size_t page_ = 2 * MiB;
+  std::unordered_map<std::uintptr_t, CUmemGenericAllocationHandle> handles_;
+};
+
+}  // namespace
+
+bool cuda_upstreams_built() { return true; }
+
+bool cuda_available() { return cuda_device_count() > 0; }
+
+int cuda_device_count() {
+  const Driver& d = driver();
+  if (!d.loaded) return 0;
+  int count = 0;
+  return d.cuDeviceGetCount(&count) == CUDA_SUCCESS ? count : 0;
+}
+
+bool cuda_vmm_supported(int device) {
+  const Driver& d = driver();
+  if (!d.loaded || device < 0 || device >= cuda_device_count()) return false;
+  CUdevice dev;
+  int supported = 0;
+  if (d.cuDeviceGet(&dev, device) != CUDA_SUCCESS) return false;
+  if (d.cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) != CUDA_SUCCESS)
+    return false;
+  return supported != 0;
+}
+
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device) {
+  if (kind == UpstreamKind::kPages) {
+    if (!cuda_vmm_supported(device))
+      throw UpstreamError("gpumem: CUDA device " + std::to_string(device) +
+                          " does not support virtual memory management; use upstream:segments");
+    return std::make_shared<CudaVmmUpstream>(device);
+  }
+  return std::make_shared<CudaSegmentUpstream>(device);
+}
+
+}  // namespace gpumem
+
+#else  // built without the CUDA headers
+
+namespace gpumem {
+bool cuda_upstreams_built() { return false; }
+bool cuda_available() { return false; }
+int cuda_device_count() { return 0; }
+bool cuda_vmm_supported(int) { return false; }
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int) {
+  throw UpstreamError("gpumem was built without the CUDA toolkit headers: rebuild with CUDA available");
+}
+}  // namespace gpumem
+
+#endif

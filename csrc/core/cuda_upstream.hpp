@@ -1,0 +1,22 @@
+// The two CUDA upstreams: cudaMalloc-style segments (cuMemAlloc) and virtual-memory pages
+// (cuMemAddressReserve / cuMemCreate / cuMemMap). Both call the CUDA driver through cuda_driver.hpp,
+// which loads libcuda at first use, so building and importing gpumem needs no GPU or driver.
+#pragma once
+
+#include <memory>
+
+#include "upstream.hpp"
+
+namespace gpumem {
+
+// True when gpumem was built with the CUDA headers (the upstreams exist in this build).
+bool cuda_upstreams_built();
+// True when a driver can be loaded and reports at least one device. Never throws.
+bool cuda_available();
+int cuda_device_count();
+// True when `device` supports virtual memory management (cuMemCreate & co). Never throws.
+bool cuda_vmm_supported(int device);
+// @throws UpstreamError when there is no driver/device, InvalidArgument for a bad device ordinal.
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device);
+
+}  // namespace gpumem

@@ -1,0 +1,80 @@
+"""Command line: ``python -m gpumem replay [TRACE ...]`` and ``python -m gpumem status [--watch]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _C
+from .replay import bundled_traces, print_progress, reference_ratios, replay
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3f}"
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    traces = args.trace or [str(p) for p in bundled_traces()]
+    try:
+        capacity = None if args.capacity is None else _C.parse_size(args.capacity)
+    except ValueError as e:
+        print(f"gpumem replay: --capacity: {e}", file=sys.stderr)
+        return 2
+    refs = reference_ratios()
+    reports = []
+    for path in traces:
+        progress = None if (args.json or args.quiet) else print_progress
+        if progress:
+            print(f"{path}:", file=sys.stderr)
+        try:
+            reports.append(replay(path, upstream=args.upstream, capacity=capacity, progress=progress))
+        except (ValueError, FileNotFoundError) as e:
+            print(f"gpumem replay: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        for r in reports:
+            print(r.to_json())
+        return 0
+    print(f"\ngpumem pool, upstream={args.upstream}, simulated device of "
+          f"{_gib(reports[0].capacity_bytes)} GiB")
+    header = (f"{'trace':<14} {'peak live GiB':>13} {'peak reserved GiB':>17} {'ratio':>7} "
+              f"{'upstream calls':>14} {'ns/pair':>8} {'OOMs':>5} | PyTorch live on H200: native / expandable / async")
+    print(header)
+    print("-" * len(header))
+    for r in reports:
+        ref = refs.get(r.workload)
+        ref_text = (f"{ref['native']:.3f} / {ref['expandable_segments']:.3f} / {ref['cudaMallocAsync']:.3f}"
+                    if ref else "n/a")
+        print(f"{r.workload:<14} {_gib(r.peak_live_bytes):>13} {_gib(r.peak_reserved_bytes):>17} "
+              f"{r.fragmentation:>7.4f} {r.upstream_calls:>14,} {r.ns_per_pair:>8.1f} {r.ooms:>5} | {ref_text}")
+        if r.ooms:
+            print(f"  first OOM: {r.first_oom}")
+    print("\nratio = peak reserved / peak live (lower is better; 1.0 is the floor). "
+          "ns/pair = CPU time of the pool per allocate+free.")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from . import status
+
+    return status.main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpumem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("replay", help="replay allocation traces through the pool on a simulated device")
+    p.add_argument("trace", nargs="*", help="trace files (default: the traces bundled with gpumem)")
+    p.add_argument("--upstream", choices=["vmm", "segments"], default="vmm")
+    p.add_argument("--capacity", help="simulated device memory, e.g. 80GiB (default 141GiB, an H200)")
+    p.add_argument("--json", action="store_true", help="one JSON line per trace")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=cmd_replay)
+    s = sub.add_parser("status", help="every GPU's memory and processes (NVML)", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=cmd_status)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

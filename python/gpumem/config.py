@@ -1,0 +1,40 @@
+"""GPUMEM_CONF: the configuration string, validated by the C++ core.
+
+Keys (comma separated, ``key:value`` or ``key=value``):
+
+``upstream``   ``auto`` (default: CUDA virtual memory where the driver supports it), ``vmm``, ``segments``
+``cap``        a fraction of device memory in (0, 1] such as ``0.9``, or bytes such as ``40GiB``; ``0`` = none
+``release``    ``high_water`` (default: free cached pages before reserving past the highest reserve so far)
+               or ``never`` (keep the cache until ``empty_cache()``/an allocation failure, like PyTorch)
+``gc_on_oom``  ``true`` (default: run ``gc.collect()`` before failing an allocation) or ``false``
+
+Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
+"""
+from __future__ import annotations
+
+import os
+from typing import TypedDict
+
+from . import _C
+
+
+class Config(TypedDict):
+    upstream: str
+    cap_bytes: int
+    cap_fraction: float
+    release: str
+    gc_on_oom: bool
+
+
+def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:
+    """Parse a configuration string; raises ``ValueError`` naming the bad key and the accepted values.
+
+    >>> parse_config("cap:0.5,upstream:segments")["cap_fraction"]
+    0.5
+    """
+    return _C.parse_config(text, source)  # type: ignore[return-value]
+
+
+def from_environment() -> Config:
+    """The configuration in ``GPUMEM_CONF`` (defaults when unset)."""
+    return parse_config(os.environ.get("GPUMEM_CONF", ""))

@@ -1,13 +1,21 @@
 #include "simulated_device.hpp"
 
-#include <sstream>
+#include <atomic>
 
 #include "errors.hpp"
 
 namespace gpumem {
 
+namespace {
+// Each simulated device gets its own slice of a fake address space, so a pointer from one device is
+// foreign to every other one, as on real hardware.
+std::atomic<std::uintptr_t> next_device_base{0x100000000000};
+constexpr std::uintptr_t kDeviceAddressSpan = std::uintptr_t(1) << 44;
+}  // namespace
+
 SimulatedDevice::SimulatedDevice(UpstreamKind kind, std::size_t capacity, std::size_t page_size)
-    : kind_(kind), capacity_(capacity), page_size_(page_size) {
+    : kind_(kind), capacity_(capacity), page_size_(page_size),
+      next_address_(next_device_base.fetch_add(kDeviceAddressSpan)) {
   if (page_size == 0 || page_size % kAlignment != 0)
     throw InvalidArgument("simulated device: page_size must be a positive multiple of 512, got " +
                           std::to_string(page_size));

@@ -61,7 +61,7 @@ class SimulatedDevice : public Upstream {
   std::size_t capacity_;
   std::size_t page_size_;
   std::size_t used_ = 0;
-  std::uintptr_t next_address_ = 0x7f0000000000;  // looks like a device pointer, never dereferenced
+  std::uintptr_t next_address_;  // fake, never dereferenced; distinct across simulated devices
   std::map<std::uintptr_t, std::size_t> segments_;
   struct Range { std::size_t bytes; std::vector<std::uint8_t> mapped; };
   std::map<std::uintptr_t, Range> ranges_;

@@ -390,8 +390,9 @@ class _Backend:
 
     device: torch.device
 
-    def clean(self) -> None:
-        gc.collect()
+    def clean(self, collect: bool = True) -> None:
+        if collect:
+            gc.collect()
 
     def reserved(self) -> int:
         return 0
@@ -424,8 +425,9 @@ class _CudaBackend(_Backend):
         self._b_alloc = 0
         self._b_res = 0
 
-    def clean(self) -> None:
-        gc.collect()
+    def clean(self, collect: bool = True) -> None:
+        if collect:  # only needed for reference cycles (a failed step's frames); costs ~0.1 s
+            gc.collect()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
@@ -464,13 +466,15 @@ class _CudaBackend(_Backend):
                 torch.cuda.max_memory_reserved(self.device) - self._b_res)
 
     def after(self, reserved_before: int) -> None:
-        self.clean()
+        self.clean(collect=False)
+        if self.reserved() > reserved_before:
+            self.clean()
         if self.reserved() > reserved_before:
             # cuBLAS workspaces created during the trials live in the allocator's pool
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear is not None:
                 clear()
-                self.clean()
+                self.clean(collect=False)
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -747,8 +751,7 @@ class _Runner:
         opt.zero_grad(set_to_none=True)
 
     def trial(self, b: int) -> _Measurement:
-        self.guard.between_trials()
-        self.backend.clean()
+        self.guard.between_trials()  # the cache was emptied by limits() or the previous trial
         if self.model is not None and self.step_fn is None:
             self.model.train(self.mode == "train")
         status, err, requested = _OK, None, 0
@@ -770,7 +773,7 @@ class _Runner:
         del ballast
         self._opt = None
         self.guard.between_trials()
-        self.backend.clean()
+        self.backend.clean(collect=status != _OK)
         seconds = time.perf_counter() - t0
         needed = peak + requested if status == _OOM else 0
         code, peak, reserved, needed = self.comm.exchange(status, peak, reserved or 0, needed)

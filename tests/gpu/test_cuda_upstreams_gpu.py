@@ -1,0 +1,119 @@
+"""The two CUDA upstreams on a real GPU: allocate, write, read back, free, and trim() visibly returns
+memory to the device (cuMemGetInfo)."""
+import pytest
+
+from gpumem import _C
+
+MiB = 1 << 20
+
+
+class DeviceArray:
+    """A zero-copy view of raw device memory for torch (CUDA array interface)."""
+
+    def __init__(self, ptr, nbytes):
+        self.__cuda_array_interface__ = {"shape": (nbytes // 4,), "typestr": "<f4", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def view(ptr, nbytes):
+    import torch
+
+    return torch.as_tensor(DeviceArray(ptr, nbytes), device="cuda")
+
+
+@pytest.fixture(scope="module")
+def torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.cuda.init()
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["vmm", "segments"])
+def test_allocate_write_read_free_and_trim_returns_memory(torch_cuda, kind):
+    torch = torch_cuda
+    if kind == "vmm" and not _C.cuda_vmm_supported(0):
+        pytest.skip("device without virtual memory management")
+    upstream = _C.cuda_upstream(kind, 0)
+    pool = _C.Pool(upstream, release="never")
+    torch.cuda.synchronize()
+    free_before = upstream.free_bytes
+    sizes = [1000, 512 * 1024, 3 * MiB, 64 * MiB, 256 * MiB]
+    ptrs = [pool.allocate(n) for n in sizes]
+    for i, (p, n) in enumerate(zip(ptrs, sizes)):
+        t = view(p, n - n % 4)
+        t.fill_(float(i + 1))
+    torch.cuda.synchronize()
+    for i, (p, n) in enumerate(zip(ptrs, sizes)):
+        t = view(p, n - n % 4)
+        assert torch.all(t == float(i + 1)).item(), f"block {i} lost its data"
+    pool.validate()
+    used = free_before - upstream.free_bytes
+    reserved = pool.stats()["reserved_bytes"]["all"]["current"]
+    assert reserved >= sum(sizes)
+    assert abs(used - reserved) <= 4 * MiB, (used, reserved)  # the device agrees with the pool
+    for p in ptrs:
+        pool.free(p)
+    released = pool.trim()
+    torch.cuda.synchronize()
+    assert released == reserved
+    assert pool.stats()["reserved_bytes"]["all"]["current"] == 0
+    assert upstream.free_bytes >= free_before - 4 * MiB, "trim() did not give the memory back"
+
+
+@pytest.mark.gpu
+def test_vmm_returns_a_free_page_between_live_blocks(torch_cuda):
+    if not _C.cuda_vmm_supported(0):
+        pytest.skip("device without virtual memory management")
+    upstream = _C.cuda_upstream("vmm", 0)
+    pool = _C.Pool(upstream, release="never")
+    a, b, c = (pool.allocate(128 * MiB) for _ in range(3))
+    view(a, 128 * MiB).fill_(1.0)
+    view(c, 128 * MiB).fill_(3.0)
+    pool.free(b)
+    torch_cuda.cuda.synchronize()
+    before = upstream.free_bytes
+    released = pool.trim()
+    assert released >= 124 * MiB
+    assert upstream.free_bytes - before >= 124 * MiB
+    assert torch_cuda.all(view(a, 128 * MiB) == 1.0).item() and torch_cuda.all(view(c, 128 * MiB) == 3.0).item()
+    pool.free(a)
+    pool.free(c)
+    pool.trim()
+
+
+@pytest.mark.gpu
+def test_cuda_oom_is_an_out_of_memory_error_and_the_pool_recovers(torch_cuda):
+    upstream = _C.cuda_upstream("vmm" if _C.cuda_vmm_supported(0) else "segments", 0)
+    pool = _C.Pool(upstream)
+    with pytest.raises(_C.OutOfMemoryError, match="out of memory"):
+        pool.allocate(upstream.total_bytes + (1 << 30))
+    p = pool.allocate(8 * MiB)
+    pool.free(p)
+    pool.trim()
+    pool.validate()
+
+
+@pytest.mark.gpu
+def test_record_stream_waits_for_the_side_stream(torch_cuda):
+    torch = torch_cuda
+    upstream = _C.cuda_upstream("vmm" if _C.cuda_vmm_supported(0) else "segments", 0)
+    pool = _C.Pool(upstream)
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    p = pool.allocate(64 * MiB, main.cuda_stream)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keep the side stream busy
+    pool.record_stream(p, side.cuda_stream)
+    pool.free(p)
+    q = pool.allocate(64 * MiB, main.cuda_stream)
+    assert q != p, "a block still in use on the side stream was handed out again"
+    side.synchronize()
+    pool.process_events()
+    r = pool.allocate(64 * MiB, main.cuda_stream)
+    assert r == p
+    pool.free(q)
+    pool.free(r)
+    pool.validate()

@@ -1,0 +1,56 @@
+"""GPUMEM_CONF parsing: validated in the core, so the same errors arise with or without a GPU."""
+import pytest
+
+from gpumem import _C, parse_config
+
+
+def test_defaults():
+    assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
+                                "release": "high_water", "gc_on_oom": True}
+
+
+@pytest.mark.parametrize(
+    "text, key, value",
+    [
+        ("upstream:vmm", "upstream", "vmm"),
+        ("upstream=segments", "upstream", "segments"),
+        ("cap:0.9", "cap_fraction", 0.9),
+        ("cap:1.0", "cap_fraction", 1.0),
+        ("cap:40GiB", "cap_bytes", 40 << 30),
+        ("cap: 512 MiB", "cap_bytes", 512 << 20),
+        ("cap:1073741824", "cap_bytes", 1 << 30),
+        ("release:never", "release", "never"),
+        ("gc_on_oom:false", "gc_on_oom", False),
+        (" Upstream : VMM , , release:high_water", "upstream", "vmm"),
+    ],
+)
+def test_accepted(text, key, value):
+    assert parse_config(text)[key] == value
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, gc_on_oom"),
+        ("upstream:cuda", "upstream='cuda' is not valid; accepted: auto, vmm, segments"),
+        ("cap:1.5", "cap='1.5' is not valid"),
+        ("cap:0.0", "cap='0.0' is not valid"),
+        ("cap:-3GiB", "cap='-3GiB' is not valid"),
+        ("cap:12parsecs", "cap='12parsecs' is not valid"),
+        ("release:sometimes", "accepted: high_water, never"),
+        ("gc_on_oom:maybe", "accepted: true, false"),
+        ("upstream", "is not key:value"),
+    ],
+)
+def test_rejected_with_the_key_and_accepted_values(text, words):
+    with pytest.raises(ValueError) as e:
+        parse_config(text)
+    assert words in str(e.value)
+    assert str(e.value).startswith("GPUMEM_CONF:")
+
+
+def test_parse_size():
+    assert _C.parse_size("1.5KiB") == 1536
+    assert _C.parse_size("2 GB") == 2_000_000_000
+    with pytest.raises(ValueError, match="unknown unit"):
+        _C.parse_size("3 furlongs")

@@ -1,0 +1,327 @@
+"""The pool on the simulated device: a randomized test against a reference model, with the invariant
+checker after every operation, and every kind of bad input."""
+import random
+
+import pytest
+
+from gpumem import _C
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def flat(stats, key, which="current"):
+    return stats[key]["all"][which]
+
+
+class Model:
+    """What a correct pool must agree with: live blocks, their sizes, nothing overlapping."""
+
+    def __init__(self, pool, device):
+        self.pool, self.device = pool, device
+        self.live = {}  # address -> (requested, stream)
+
+    def check(self):
+        self.pool.validate()
+        s = self.pool.stats()
+        assert flat(s, "allocation") == len(self.live)
+        assert flat(s, "requested_bytes") == sum(r for r, _ in self.live.values())
+        rounded = sum(-(-r // 512) * 512 for r, _ in self.live.values())
+        assert flat(s, "allocated_bytes") == rounded
+        # Every byte the device handed out is accounted as reserved: nothing leaks.
+        assert self.device.used_bytes == flat(s, "reserved_bytes")
+        cap = self.pool.cap
+        if cap:
+            assert flat(s, "reserved_bytes") <= cap or flat(s, "active_bytes") > 0
+        spans = sorted((a, -(-r // 512) * 512) for a, (r, _) in self.live.items())
+        for (a, n), (b, _) in zip(spans, spans[1:]):
+            assert a + n <= b, "live blocks overlap"
+        for a, _ in spans:
+            assert a % 512 == 0
+
+
+def random_size(rng):
+    kind = rng.random()
+    if kind < 0.5:
+        return rng.randint(1, 1 * MiB)  # small pool
+    if kind < 0.9:
+        return rng.randint(1 * MiB + 1, 64 * MiB)
+    return rng.randint(64 * MiB, 600 * MiB)
+
+
+@pytest.mark.parametrize("kind", ["vmm", "segments"])
+@pytest.mark.parametrize("release", ["high_water", "never"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_randomized_operations_keep_every_invariant(kind, release, seed):
+    rng = random.Random(seed)
+    device = _C.SimulatedDevice(kind, 4 * GiB)
+    device.set_auto_complete(False)
+    pool = _C.Pool(device, release=release)
+    other = _C.Pool(_C.SimulatedDevice(kind, 1 * GiB), device=1)
+    foreign = other.allocate(4096)
+    m = Model(pool, device)
+    streams = [0, 7, 9]
+    freed = []
+    counts = {"oom": 0, "bad": 0}
+    for step in range(2500):
+        op = rng.random()
+        if op < 0.45:
+            size = random_size(rng)
+            stream = rng.choice(streams)
+            try:
+                ptr = pool.allocate(size, stream)
+            except _C.OutOfMemoryError as e:
+                counts["oom"] += 1
+                assert "out of memory" in str(e) and "tried to allocate" in str(e)
+            else:
+                assert ptr not in m.live
+                m.live[ptr] = (size, stream)
+        elif op < 0.8 and m.live:
+            ptr = rng.choice(list(m.live))
+            del m.live[ptr]
+            pool.free(ptr)
+            freed.append(ptr)
+        elif op < 0.85 and m.live:
+            ptr = rng.choice(list(m.live))
+            pool.record_stream(ptr, rng.choice(streams))
+        elif op < 0.88:
+            device.complete(rng.choice(streams))
+            pool.process_events()
+        elif op < 0.9:
+            pool.trim()
+        elif op < 0.92:
+            # A cap between what is live and the whole device.
+            active = flat(pool.stats(), "active_bytes")
+            cap = rng.choice([0, max(active, 64 * MiB) + rng.randint(0, 2 * GiB)])
+            pool.set_cap(-(-cap // (2 * MiB)) * 2 * MiB)
+        else:
+            # Bad input: each is refused and changes nothing.
+            counts["bad"] += 1
+            before = pool.stats()
+            choices = ["foreign", "wrong_device", "negative", "absurd"]
+            stale = [p for p in freed if p not in m.live]  # freed and not handed out again
+            choices += ["double"] * bool(stale) + ["interior"] * bool(m.live)
+            bad = rng.choice(choices)
+            with pytest.raises(ValueError):
+                if bad == "double":
+                    pool.free(rng.choice(stale))
+                elif bad == "foreign":
+                    pool.free(0xDEAD000)
+                elif bad == "interior":
+                    pool.free(next(iter(m.live)) + 256)
+                elif bad == "wrong_device":
+                    pool.free(foreign)
+                elif bad == "negative":
+                    pool.allocate(-1)
+                else:
+                    pool.allocate(1 << 60)
+            after = pool.stats()
+            for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+                assert flat(after, key) == flat(before, key)
+        m.check()
+    for ptr in list(m.live):
+        pool.free(ptr)
+    m.live.clear()
+    device.complete_all()
+    pool.process_events()
+    pool.trim()
+    m.check()
+    assert flat(pool.stats(), "reserved_bytes") == 0
+    assert device.used_bytes == 0
+    assert counts["bad"] > 50
+
+
+def test_zero_bytes_is_null_and_free_of_null_is_a_no_op():
+    pool = _C.Pool(_C.SimulatedDevice("vmm", GiB))
+    assert pool.allocate(0) == 0
+    pool.free(0)
+    assert flat(pool.stats(), "allocation") == 0
+    pool.validate()
+
+
+def test_larger_than_capacity_is_an_oom_with_figures_and_pool_still_works():
+    device = _C.SimulatedDevice("vmm", GiB)
+    pool = _C.Pool(device)
+    keep = pool.allocate(100 * MiB)
+    with pytest.raises(_C.OutOfMemoryError) as e:
+        pool.allocate(2 * GiB)
+    msg = str(e.value)
+    assert "2.00 GiB" in msg and "100.00 MiB held by live tensors" in msg and "largest free block" in msg
+    assert isinstance(e.value, MemoryError)
+    s = pool.stats()
+    assert s["num_ooms"] == 1 and s["num_alloc_retries"] == 1
+    p = pool.allocate(200 * MiB)
+    pool.free(p)
+    pool.free(keep)
+    pool.validate()
+
+
+def test_alignment_and_small_requests_do_not_share_pages_with_large_blocks():
+    pool = _C.Pool(_C.SimulatedDevice("vmm", 8 * GiB))
+    small = [pool.allocate(1000) for _ in range(100)]
+    large = pool.allocate(64 * MiB)
+    assert all(p % 512 == 0 for p in small)
+    s = pool.stats()
+    assert s["allocated_bytes"]["small_pool"]["current"] == 100 * 1024
+    assert s["allocated_bytes"]["large_pool"]["current"] == 64 * MiB
+    # Small blocks are packed together: 100 KiB of them stay within one page.
+    lo, hi = min(small), max(small) + 1024
+    assert hi - lo <= 2 * MiB
+    assert not (lo <= large < hi)
+    for p in small + [large]:
+        pool.free(p)
+    pool.validate()
+
+
+def test_block_freed_on_a_stream_is_reused_at_once_there_but_not_on_another_until_its_event():
+    device = _C.SimulatedDevice("vmm", 4 * GiB)
+    device.set_auto_complete(False)
+    pool = _C.Pool(device)
+    a = pool.allocate(8 * MiB, 1)
+    pool.free(a)
+    assert pool.allocate(8 * MiB, 1) == a  # same stream: reused at once
+    pool.record_stream(a, 2)
+    pool.free(a)
+    assert flat(pool.stats(), "active_bytes") == 8 * MiB  # waits for stream 2
+    b = pool.allocate(8 * MiB, 1)
+    assert b != a
+    device.complete(2)
+    pool.process_events()
+    assert flat(pool.stats(), "active_bytes") == 8 * MiB  # only b now
+    assert pool.allocate(8 * MiB, 1) == a
+    pool.validate()
+
+
+def test_vmm_returns_free_pages_in_the_middle():
+    device = _C.SimulatedDevice("vmm", 4 * GiB)
+    pool = _C.Pool(device, release="never")
+    a = pool.allocate(100 * MiB)
+    b = pool.allocate(100 * MiB)
+    c = pool.allocate(100 * MiB)
+    pool.free(b)  # a hole between two live blocks
+    reserved = flat(pool.stats(), "reserved_bytes")
+    released = pool.trim()
+    assert released >= 98 * MiB
+    assert flat(pool.stats(), "reserved_bytes") == reserved - released == device.used_bytes
+    pool.free(a)
+    pool.free(c)
+    pool.trim()
+    assert device.used_bytes == 0
+    pool.validate()
+
+
+def test_high_water_policy_reuses_cached_pages_instead_of_growing():
+    device = _C.SimulatedDevice("vmm", 4 * GiB)
+    pool = _C.Pool(device)
+    keep = pool.allocate(300 * MiB)
+    big = pool.allocate(600 * MiB)
+    tail = pool.allocate(300 * MiB)
+    pool.free(big)  # 600 MiB cached between two live blocks
+    peak = flat(pool.stats(), "reserved_bytes", "peak")
+    # 700 MiB does not fit the hole: the pool unmaps the hole's pages before mapping new ones.
+    x = pool.allocate(700 * MiB)
+    assert flat(pool.stats(), "reserved_bytes", "peak") <= peak + 100 * MiB + 4 * MiB
+    for p in (keep, tail, x):
+        pool.free(p)
+    pool.validate()
+
+
+def test_cap_is_enforced_and_a_cap_below_live_bytes_is_refused():
+    pool = _C.Pool(_C.SimulatedDevice("segments", 4 * GiB), cap=512 * MiB)
+    a = pool.allocate(300 * MiB)
+    with pytest.raises(_C.OutOfMemoryError, match="cap 512.00 MiB"):
+        pool.allocate(300 * MiB)
+    with pytest.raises(ValueError, match="live tensors already hold"):
+        pool.set_cap(100 * MiB)
+    assert pool.cap == 512 * MiB
+    pool.set_cap(0)
+    b = pool.allocate(300 * MiB)
+    pool.free(a)
+    pool.free(b)
+    pool.validate()
+
+
+def test_oom_callback_runs_before_failing_and_can_free_memory():
+    pool = _C.Pool(_C.SimulatedDevice("vmm", GiB))
+    held = [pool.allocate(700 * MiB)]
+
+    def release():
+        while held:
+            pool.free(held.pop())
+
+    cid = pool.add_oom_callback(release)
+    p = pool.allocate(700 * MiB)  # fits only after the callback freed the first block
+    assert not held
+    pool.free(p)
+    pool.remove_oom_callback(cid)
+    assert pool.stats()["num_ooms"] == 0
+    pool.validate()
+
+
+def test_stats_peaks_reset_and_shape_matches_torch():
+    pool = _C.Pool(_C.SimulatedDevice("vmm", GiB))
+    p = pool.allocate(10 * MiB)
+    pool.free(p)
+    s = pool.stats()
+    assert flat(s, "allocated_bytes", "peak") == 10 * MiB
+    assert flat(s, "allocated_bytes", "allocated") == 10 * MiB == flat(s, "allocated_bytes", "freed")
+    pool.reset_peak_stats()
+    assert flat(pool.stats(), "allocated_bytes", "peak") == 0
+    expected = {"allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+                "active_bytes", "inactive_split_bytes", "requested_bytes", "num_alloc_retries", "num_ooms",
+                "num_sync_all_streams", "num_device_alloc", "num_device_free", "oversize_allocations",
+                "oversize_segments", "max_split_size"}
+    assert set(s) == expected
+
+
+def test_snapshot_lists_regions_and_blocks():
+    pool = _C.Pool(_C.SimulatedDevice("vmm", GiB))
+    p = pool.allocate(3 * MiB)
+    snap = pool.snapshot()
+    blocks = [b for r in snap for b in r["blocks"] if b["state"] == "active_allocated"]
+    assert [b["address"] for b in blocks] == [p]
+    assert blocks[0]["requested_size"] == 3 * MiB
+    assert all(r["total_size"] >= r["reserved_size"] > 0 for r in snap)
+    pool.free(p)
+
+
+def test_pool_is_thread_safe():
+    import threading
+
+    device = _C.SimulatedDevice("vmm", 8 * GiB)
+    pool = _C.Pool(device)
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(3000):
+                if mine and rng.random() < 0.5:
+                    pool.free(mine.pop(rng.randrange(len(mine))))
+                else:
+                    mine.append(pool.allocate(rng.randint(1, 4 * MiB), seed % 3))
+            for p in mine:
+                pool.free(p)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    pool.validate()
+    assert flat(pool.stats(), "allocated_bytes") == 0
+
+
+def test_bad_constructor_arguments_are_clear():
+    with pytest.raises(ValueError, match="page_size"):
+        _C.SimulatedDevice("vmm", GiB, 1000)
+    with pytest.raises(ValueError, match="'vmm' or 'segments'"):
+        _C.SimulatedDevice("paged", GiB)
+    with pytest.raises(ValueError, match="capacity must be >= 0"):
+        _C.SimulatedDevice("vmm", -5)
+    with pytest.raises(ValueError, match="release"):
+        _C.Pool(_C.SimulatedDevice("vmm", GiB), release="sometimes")

@@ -1,0 +1,97 @@
+"""Trace replay: the CLI, the Python API, and malformed traces."""
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+import gpumem
+from gpumem.replay import bundled_traces, reference_ratios
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "gpumem", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_bundled_traces_beat_the_best_pytorch_allocator():
+    # Deterministic: the simulated device makes the same decisions every run.
+    refs = reference_ratios()
+    for path in bundled_traces():
+        report = gpumem.replay(path)
+        best = min(v for k, v in refs[report.workload].items())
+        assert report.ooms == 0
+        assert report.peak_live_bytes > 0
+        assert 1.0 <= report.fragmentation < best, (report.workload, report.fragmentation, best)
+
+
+def test_cli_prints_the_comparison_table_and_progress():
+    r = run_cli("replay")
+    assert r.returncode == 0, r.stderr
+    assert "gpt_varlen" in r.stdout and "resnet50" in r.stdout
+    assert "1.359 / 1.011 / 1.030" in r.stdout  # PyTorch's figures beside gpumem's
+    assert "replaying:" in r.stderr
+
+
+def test_cli_json_and_segments_upstream(tmp_path):
+    r = run_cli("replay", "--json", "--upstream", "segments", str(bundled_traces()[1]))
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["upstream"] == "segments" and row["fragmentation"] >= 1.0 and row["ns_per_pair"] > 0
+
+
+def test_small_capacity_reports_ooms_instead_of_crashing():
+    r = run_cli("replay", "--json", "--capacity", "2GiB", str(bundled_traces()[1]))
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["ooms"] > 0 and "out of memory" in row["first_oom"]
+
+
+@pytest.mark.parametrize(
+    "body, line, words",
+    [
+        ("a 1 100 0\nx 2\n", 2, "expected 'a <id> <bytes> <stream>'"),
+        ("a 1 -100 0\n", 1, "size is not a non-negative integer"),
+        ("a 1 100\n", 1, "stream is not"),
+        ("a 1 100 0\na 1 5 0\n", 2, "allocated twice"),
+        ("a 1 100 0\nf 2\n", 2, "never allocated"),
+        ("a 1 100 0\nf 1\nf 1\n", 3, "freed twice"),
+        ("a 1 100 0 junk\n", 1, "unexpected text"),
+        ("a 1 99999999999999999999999 0\n", 1, "size is not"),
+        ("# only a header\n", 0, "no allocations"),
+    ],
+)
+def test_malformed_traces_name_the_file_and_line(tmp_path, body, line, words):
+    path = tmp_path / "bad.trace"
+    path.write_text(body)
+    with pytest.raises(ValueError) as e:
+        gpumem.replay(path)
+    msg = str(e.value)
+    assert words in msg
+    if line:
+        assert f"{path}:{line}:" in msg
+    r = run_cli("replay", str(path))
+    assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gzip_and_plain_give_the_same_result(tmp_path):
+    src = bundled_traces()[1]
+    plain = tmp_path / "plain.trace"
+    plain.write_bytes(gzip.decompress(src.read_bytes()))
+    a, b = gpumem.replay(src), gpumem.replay(plain)
+    assert (a.peak_live_bytes, a.peak_reserved_bytes) == (b.peak_live_bytes, b.peak_reserved_bytes)
+
+
+def test_missing_file_and_bad_capacity_are_clear(tmp_path):
+    r = run_cli("replay", str(tmp_path / "nope.trace"))
+    assert r.returncode == 1 and "no such trace file" in r.stderr
+    r = run_cli("replay", "--capacity", "lots")
+    assert r.returncode == 2 and "not a size" in r.stderr
+
+
+def test_truncated_gzip_is_reported(tmp_path):
+    data = bundled_traces()[1].read_bytes()
+    path = tmp_path / "cut.trace.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cut.trace.gz"):
+        gpumem.replay(path)

@@ -214,8 +214,14 @@ class SimBackend(bs._Backend):
     def limits(self):
         return self.limit, self.total
 
-    def begin(self, b, ballast):
-        self.b, self.ballast = b, ballast
+    def hold(self, ballast):
+        self.ballast = ballast
+
+    def release(self):
+        self.ballast = 0
+
+    def begin(self, b):
+        self.b = b
         self.begun.append(b)
 
     def sync(self):

@@ -4,7 +4,6 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
-#include <sstream>
 #include <vector>
 
 namespace gpumem {
@@ -60,12 +59,17 @@ std::size_t parse_size(const std::string& text) {
 
 Config parse_config(const std::string& text, const std::string& source) {
   Config config;
-  std::stringstream items(text);
-  std::string item;
+  std::vector<std::string> items;
+  for (std::size_t start = 0;;) {
+    std::size_t comma = text.find(',', start);
+    items.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
   auto bad = [&](const std::string& key, const std::string& value, const std::string& accepted) {
     throw InvalidArgument(source + ": " + key + "='" + value + "' is not valid; accepted: " + accepted);
   };
-  while (std::getline(items, item, ',')) {
+  for (std::string item : items) {
     item = trim(item);
     if (item.empty()) continue;
     auto sep = item.find_first_of(":=");

@@ -4,7 +4,6 @@
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
-#include <sstream>
 
 #include "format.hpp"
 
@@ -636,18 +635,20 @@ void Pool::remove_oom_callback(int id) {
 }
 
 std::string Pool::oom_message(std::size_t requested, StreamId stream) const {
-  std::ostringstream m;
-  m << "gpumem: out of memory on device " << options_.device << ": tried to allocate "
-    << format_bytes(requested) << " (stream 0x" << std::hex << stream << std::dec << "); "
-    << format_bytes(stats_.allocated_bytes[kAggregate].current) << " held by live tensors, "
-    << format_bytes(stats_.reserved_bytes[kAggregate].current) << " reserved by gpumem, cap "
-    << (options_.cap_bytes ? format_bytes(options_.cap_bytes) : "none (device total " +
-                                                                     format_bytes(effective_cap()) + ")")
-    << ", device free " << format_bytes(upstream_->device_free_bytes()) << ", largest free block "
-    << format_bytes(largest_free_block_locked())
-    << ". Free tensors you no longer need, use a smaller batch (gpumem.find_batch_size), or raise "
-       "the cap (GPUMEM_CONF=cap:...).";
-  return m.str();
+  // Plain string building: iostreams crashed when a second libstdc++ was loaded in the process.
+  char stream_hex[32];
+  std::snprintf(stream_hex, sizeof stream_hex, "0x%" PRIxPTR, stream);
+  const std::string cap = options_.cap_bytes
+                              ? format_bytes(options_.cap_bytes)
+                              : "none (device total " + format_bytes(effective_cap()) + ")";
+  return "gpumem: out of memory on device " + std::to_string(options_.device) + ": tried to allocate " +
+         format_bytes(requested) + " (stream " + stream_hex + "); " +
+         format_bytes(stats_.allocated_bytes[kAggregate].current) + " held by live tensors, " +
+         format_bytes(stats_.reserved_bytes[kAggregate].current) + " reserved by gpumem, cap " + cap +
+         ", device free " + format_bytes(upstream_->device_free_bytes()) + ", largest free block " +
+         format_bytes(largest_free_block_locked()) +
+         ". Free tensors you no longer need, use a smaller batch (gpumem.find_batch_size), or raise "
+         "the cap (GPUMEM_CONF=cap:...).";
 }
 
 // ---- invariant checker ---------------------------------------------------------------------------

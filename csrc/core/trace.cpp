@@ -17,7 +17,6 @@ static const char* gzerror(gzFile f, int* err) { *err = std::ferror(f) ? -1 : Z_
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <unordered_map>
 
 namespace gpumem {
@@ -69,11 +68,18 @@ Trace load_trace(const std::string& path) {
       if (std::strlen(s) == buf.size() - 1 && s[buf.size() - 2] != '\n')
         malformed(path, line, "line longer than " + std::to_string(buf.size()) + " characters");
       if (*s == '#') {
-        std::istringstream header(s + 1);
-        std::string key, value;
-        while (header >> key >> value) {
-          if (key == "workload") trace.workload = value;
-          if (key == "peak_live_bytes") trace.header_peak_live = std::strtoull(value.c_str(), nullptr, 10);
+        // "# key value key value ...": keep the two fields the replay reports.
+        std::vector<std::string> words;
+        for (const char* w = s + 1; *w;) {
+          while (*w == ' ' || *w == '\t' || *w == '\n' || *w == '\r') ++w;
+          const char* e = w;
+          while (*e && *e != ' ' && *e != '\t' && *e != '\n' && *e != '\r') ++e;
+          if (e > w) words.emplace_back(w, e);
+          w = e;
+        }
+        for (std::size_t k = 0; k + 1 < words.size(); k += 2) {
+          if (words[k] == "workload") trace.workload = words[k + 1];
+          if (words[k] == "peak_live_bytes") trace.header_peak_live = std::strtoull(words[k + 1].c_str(), nullptr, 10);
         }
         continue;
       }

@@ -326,6 +326,7 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
 
     # -- 2. prove and refine
     fails_in_row = 0
+    near_model = True
     phase = "prove"
     while True:
         upper = hi if hi_bad is None else hi_bad - 1
@@ -346,7 +347,8 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
         if hi_bad is None:
             guess = predict(target - frag) if phase == "prove" else optimistic
             guess = min(max(guess, lo_ok + 1), upper)
-        elif fails_in_row:
+        elif fails_in_row and near_model:
+            # the model was about right: gallop down from the failure (1, 2, 4, ... below)
             guess = max(lo_ok + 1, min(optimistic, hi_bad - (1 << (fails_in_row - 1))))
         else:
             guess = max(lo_ok + 1, min(optimistic, (lo_ok + hi_bad) // 2))
@@ -355,6 +357,8 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
         if t.fits:
             lo_ok, fails_in_row = guess, 0
         else:
+            if not fails_in_row:  # a first failure: was the model's line close to it?
+                near_model = optimistic - guess <= max(2, guess // 10)
             hi_bad, fails_in_row = guess, fails_in_row + 1
 
     final_fit = _line([(bb, p) for bb, p in measured.items() if bb in ok]) or probe_fit
@@ -404,9 +408,14 @@ class _Backend:
         """(bytes the allocator may use in all, total device bytes), after clean()."""
         raise NotImplementedError
 
-    def begin(self, batch_size: int, ballast: int) -> Any:
-        """Reset peak statistics and allocate the ballast; return it."""
-        return None
+    def hold(self, ballast: int) -> None:
+        """Allocate the ballast (held across all trials, released by release())."""
+
+    def release(self) -> None:
+        """Free the ballast."""
+
+    def begin(self, batch_size: int) -> None:
+        """Reset the peak statistics before a trial."""
 
     def sync(self) -> None:
         """Inside the trial's try block: wait for the device (raises late errors)."""
@@ -424,6 +433,7 @@ class _CudaBackend(_Backend):
         self.device = device
         self._b_alloc = 0
         self._b_res = 0
+        self._ballast: Optional[torch.Tensor] = None
 
     def clean(self, collect: bool = True) -> None:
         if collect:  # only needed for reference cycles (a failed step's frames); costs ~0.1 s
@@ -451,12 +461,18 @@ class _CudaBackend(_Backend):
             limit = min(limit, int(frac * total))
         return int(limit), int(total)
 
-    def begin(self, batch_size: int, ballast: int) -> Any:
-        torch.cuda.reset_peak_memory_stats(self.device)
+    def hold(self, ballast: int) -> None:
         a0, r0 = self.allocated(), self.reserved()
-        t = torch.empty(ballast, dtype=torch.uint8, device=self.device) if ballast > 0 else None
+        if ballast > 0:
+            self._ballast = torch.empty(ballast, dtype=torch.uint8, device=self.device)
         self._b_alloc, self._b_res = self.allocated() - a0, self.reserved() - r0
-        return t
+
+    def release(self) -> None:
+        self._ballast = None
+        self._b_alloc = self._b_res = 0
+
+    def begin(self, batch_size: int) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -688,7 +704,7 @@ class _Runner:
     def __init__(self, *, model: Optional[nn.Module], make_input: Optional[Callable[[int], Any]],
                  mode: str, step_fn: Optional[Callable[[int], Any]], loss_fn: Optional[Callable],
                  optimizer: Any, autocast: Optional[torch.dtype], steps: int, backend: _Backend,
-                 comm: _Comm, guard: _StateGuard, ballast: int, shape_hint: str):
+                 comm: _Comm, guard: _StateGuard, shape_hint: str):
         self.model = model
         self.make_input = make_input
         self.mode = mode
@@ -700,7 +716,6 @@ class _Runner:
         self.backend = backend
         self.comm = comm
         self.guard = guard
-        self.ballast = ballast
         self.shape_hint = shape_hint
         self._opt: Optional[torch.optim.Optimizer] = None
         self.calls = 0
@@ -756,9 +771,8 @@ class _Runner:
             self.model.train(self.mode == "train")
         status, err, requested = _OK, None, 0
         t0 = time.perf_counter()
-        ballast = None
         try:
-            ballast = self.backend.begin(b, self.ballast)
+            self.backend.begin(b)
             for _ in range(self.steps):
                 self._step(b)
             self.backend.sync()
@@ -770,7 +784,6 @@ class _Runner:
                 status, err = _ERROR, e
         # Recovery runs here, outside the except block: the failed step's frames are gone.
         peak, reserved = self.backend.end()
-        del ballast
         self._opt = None
         self.guard.between_trials()
         self.backend.clean(collect=status != _OK)
@@ -1048,7 +1061,7 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
     guard = _StateGuard(model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None, device)
     runner = _Runner(model=model, make_input=make_input, mode=mode, step_fn=step_fn, loss_fn=loss_fn,
                      optimizer=optimizer, autocast=autocast, steps=steps, backend=backend, comm=comm,
-                     guard=guard, ballast=ballast, shape_hint=shape_hint)
+                     guard=guard, shape_hint=shape_hint)
 
     def log_trial(t: Trial) -> None:
         what = {"fits": "fits", "oom": "out of memory", "over": "over the target"}[t.outcome]
@@ -1057,9 +1070,21 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
         emit(f"gpumem.find_batch_size:   {t.phase:6s} batch {t.batch_size:>6d}: {what}{peak}, {t.seconds:.2f} s")
 
     try:
+        held = _OK
+        try:
+            backend.hold(ballast)
+        except Exception as e:  # noqa: BLE001
+            if not _is_oom(e):
+                raise
+            held = _OOM
+        if comm.exchange(held, 0, 0, 0)[0] != _OK:
+            raise BatchSizeError(f"no batch fits: {_fmt(ballast)} of ballast (the memory outside the target) "
+                                 f"could not be allocated next to {_fmt(live)} of live tensors",
+                                 needed_bytes=live, available_bytes=target)
         out = _search(runner.trial, target, min_batch, hi, log=log_trial)
     finally:
         del runner
+        backend.release()
         guard.restore()
         backend.after(reserved_before)
     best = comm.min_int(out.batch_size)  # identical on every rank already; belt and braces

@@ -1,0 +1,268 @@
+// gpumem's PyTorch allocator: a CUDAPluggableAllocator subclass that answers every call the plain
+// pluggable allocator throws on or ignores (stats, snapshots, history, empty_cache, memory fraction,
+// cacheInfo, record_stream, CUDA graph pools, checkpoints), backed by one gpumem::Pool per device
+// plus one private gpumem::Pool per graph / MemPool id.
+//
+// Routing:
+//   - allocate() on device D, stream S: if a beginAllocateToPool() filter of D accepts S (a CUDA graph
+//     capture, torch.cuda.use_mem_pool, cudagraph trees), the block comes from that id's private pool;
+//     otherwise from D's main pool (created on first use, configured by GPUMEM_CONF).
+//   - Main-pool blocks carry a per-device deleter, so a free goes straight to the right pool; private
+//     blocks carry a deleter that looks the pointer up. raw_delete() (no device given) tries both.
+//   - A free of a pointer gpumem does not own is logged once and ignored: nothing is corrupted.
+// CUDA graph capture:
+//   - Private pools never release memory on their own (release policy "never"); a pool's memory goes
+//     back only when its use count (beginAllocateToPool / createOrIncrefPool minus releasePool) is 0
+//     and it holds no live block.
+//   - While any capture may be underway, pool calls run in cudaStreamCaptureModeRelaxed (as PyTorch
+//     does around cudaMalloc) and frees of blocks that were record_stream()'d are deferred until the
+//     last endAllocateToPool(), since their end-of-life events cannot be recorded/queried in capture.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAMacros.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#else
+#include <torch/version.h>
+#endif
+
+#include "core/config.hpp"
+#include "core/pool.hpp"
+
+// 211 for torch 2.11. Used to pick the allocator interface's signatures, which changed over 2.5..2.11.
+#define GPUMEM_TORCH_VERSION (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR)
+
+namespace gpumem::torch_bridge {
+
+namespace CCA = c10::cuda::CUDACachingAllocator;
+using MempoolId = std::pair<unsigned long long, unsigned long long>;  // == c10::MempoolId_t
+
+constexpr int kMaxDevices = C10_COMPILE_TIME_MAX_GPUS;
+
+// A private pool: the memory of one CUDA graph pool / torch.cuda.MemPool id on one device.
+struct PrivatePool {
+  int device = 0;
+  MempoolId id{0, 0};
+  int use_count = 0;
+  bool use_on_oom = false;
+  std::mutex mutex;             // guards creating `pool`
+  std::unique_ptr<Pool> pool;   // created on first allocation
+  // When createOrIncrefPool() names another allocator (e.g. an NCCL one), blocks come from it.
+  std::shared_ptr<CCA::CUDAAllocator> external;
+};
+
+// The state cudagraph trees checkpoint: the private pool's live blocks.
+struct GpumemCheckpointState : CCA::AllocatorState {
+  int device = 0;
+  MempoolId id{0, 0};
+  std::vector<std::pair<std::uintptr_t, std::size_t>> live;  // (address, size), sorted
+};
+
+class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+ public:
+  // The one allocator of the process. Never destroyed: the pools outlive torch's static teardown.
+  static GpumemAllocator& instance();
+  // A non-owning shared_ptr (always the same control block), as changeCurrentAllocator wants.
+  static std::shared_ptr<CCA::CUDAAllocator> shared();
+
+  // Sets GPUMEM_CONF. @throws InvalidArgument naming the bad key. A different string once a pool
+  // exists is refused (pools are configured when created).
+  void configure(const std::string& conf);
+  const Config& config();
+  // True when this allocator is c10's current CUDA allocator.
+  bool is_current() const;
+
+  // ---- accessors for gpumem's Python layer (device: a CUDA ordinal) ----
+  DeviceStats pool_stats(int device);  // main + private pools; zeros if none created yet
+  std::size_t trim(int device);        // main pool; returns bytes released
+  void set_cap(int device, std::size_t bytes);
+  std::size_t cap(int device);
+  std::size_t effective_cap(int device);
+  std::size_t largest_free(int device);
+  void validate(int device);
+  std::size_t private_pool_count();
+  // The OOM callback (Python: gc.collect) of every main pool, present and future. Empty = none.
+  void set_oom_callback(std::function<void()> callback);
+
+  // ---- c10::Allocator ----
+  c10::DataPtr allocate(std::size_t size) override;
+  c10::DeleterFnPtr raw_deleter() const override;
+
+  // ---- CUDAAllocator ----
+  void* raw_alloc(std::size_t nbytes) override;
+  void* raw_alloc_with_stream(std::size_t nbytes, cudaStream_t stream) override;
+  void raw_delete(void* ptr) override;
+  void init(int device_count) override;
+  bool initialized() override;
+  // No `override` on methods that are not in every supported torch: where the base has them (2.11
+  // has all of them) they still override; where it does not, they are harmless extras.
+  double getMemoryFraction(c10::DeviceIndex device);
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override;
+  std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device);
+#if GPUMEM_TORCH_VERSION >= 208
+  void emptyCache(c10::MempoolId_t mempool_id = {0, 0}) override;
+#else
+  void emptyCache() override;
+#endif
+  void cacheInfo(c10::DeviceIndex device, std::size_t* largestBlock) override;
+  void* getBaseAllocation(void* ptr, std::size_t* size) override;
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override;
+  CCA::DeviceStats getDeviceStats(c10::DeviceIndex device) override;
+  void resetAccumulatedStats(c10::DeviceIndex device) override;
+  void resetPeakStats(c10::DeviceIndex device) override;
+#if GPUMEM_TORCH_VERSION >= 210
+  CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id = {0, 0},
+                             bool include_traces = true) override;
+#elif GPUMEM_TORCH_VERSION >= 207
+  CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id = {0, 0}) override;
+#else
+  CCA::SnapshotInfo snapshot() override;
+#endif
+  void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override;
+  void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override;
+  void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override;
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id);
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                          std::shared_ptr<CCA::CUDAAllocator> allocator = nullptr);
+  void setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id, bool use_on_oom);
+  void setNoSplit(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id);
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected_live_allocations) override;
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override;
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override;
+  bool isHistoryEnabled() override;
+#if GPUMEM_TORCH_VERSION >= 209
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, CCA::RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override;
+#elif GPUMEM_TORCH_VERSION >= 206
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, CCA::RecordContext when,
+                     bool clearHistory) override;
+#else
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, CCA::RecordContext when) override;
+#endif
+  void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override;
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override;
+  std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          c10::cuda::MempoolId_t id) override;
+  CCA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<CCA::AllocatorState> pps) override;
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override;
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,
+                          std::size_t count, cudaStream_t stream, bool p2p_enabled) override;
+  std::string name() override;
+
+  // Deleter entry points (static functions, as DataPtr wants).
+  void free_main(int device, void* ptr) noexcept;
+  void free_private_deleter(void* ptr) noexcept;
+  void free_any(void* ptr) noexcept;
+
+ private:
+  GpumemAllocator();
+
+  struct DeviceState {
+    std::atomic<Pool*> main{nullptr};
+    std::mutex create_mutex;
+    std::unique_ptr<Pool> owner;
+    int callback_id = 0;
+  };
+  struct Route {
+    int device;
+    MempoolId id;
+    std::function<bool(cudaStream_t)> filter;
+    std::shared_ptr<PrivatePool> pool;
+  };
+  struct Deferred {
+    void* ptr;
+    int device;  // main pool's device, or -1 for a private block
+  };
+
+  void* malloc_on(std::size_t size, int device, cudaStream_t stream, c10::DeleterFnPtr* deleter);
+  Pool& main_pool(int device);
+  Pool* main_pool_if_created(int device) const;
+  Pool& create_main_pool(int device);
+  std::unique_ptr<Pool> make_pool(int device, ReleasePolicy release, std::size_t cap_bytes);
+  std::shared_ptr<PrivatePool> route(int device, cudaStream_t stream);
+  void* alloc_private(PrivatePool& pp, std::size_t size, cudaStream_t stream);
+  std::shared_ptr<PrivatePool> find_private(int device, MempoolId id);
+  std::shared_ptr<PrivatePool> create_or_incref(int device, MempoolId id);
+  bool try_free_main(int device, std::uintptr_t p);
+  bool try_free_private(void* ptr);
+  void free_private_block(const std::shared_ptr<PrivatePool>& pp, std::uintptr_t p);
+  bool defer_if_recorded(void* ptr, int device);
+  void flush_deferred();
+  void maybe_destroy(const std::shared_ptr<PrivatePool>& pp);
+  std::vector<std::shared_ptr<PrivatePool>> private_pools_of(int device);
+  [[noreturn]] void raise_oom(int device, const OutOfMemoryError& e, cudaStream_t stream);
+  void record_trace(CCA::TraceEntry::Action action, int device, std::uintptr_t addr,
+                    std::size_t size, cudaStream_t stream, MempoolId pool,
+                    std::shared_ptr<c10::GatheredContext> context);
+  std::shared_ptr<c10::GatheredContext> gather_context(CCA::RecordContext level);
+  void trace_alloc(int device, std::uintptr_t p, std::size_t size, cudaStream_t stream, MempoolId pool);
+  void trace_free(int device, std::uintptr_t p);
+  void append_segments(CCA::SnapshotInfo& out, int device, Pool& pool, MempoolId owner);
+  CCA::SnapshotInfo snapshot_impl(MempoolId mempool_id, bool include_traces);
+  void empty_cache_impl(MempoolId mempool_id);
+  int check_device(int device) const;
+
+  DeviceState devices_[kMaxDevices];
+  std::atomic<int> device_count_{-1};
+
+  std::mutex config_mutex_;
+  bool configured_ = false;
+  std::string conf_text_;
+  Config config_;
+
+  // Private pools and the routes that send allocations to them.
+  std::mutex routes_mutex_;
+  std::vector<Route> routes_;
+  std::atomic<int> routing_count_{0};  // routes_.size(): the allocation fast path reads only this
+  std::map<std::pair<int, MempoolId>, std::shared_ptr<PrivatePool>> private_pools_;
+  std::unordered_map<std::uintptr_t, std::shared_ptr<PrivatePool>> private_ptrs_;
+  std::atomic<int> private_count_{0};  // private_ptrs_.size()
+
+  // Blocks that had record_stream(): their free records events, which cannot happen in capture.
+  std::mutex recorded_mutex_;
+  std::unordered_set<void*> recorded_;
+  std::atomic<int> recorded_count_{0};
+  std::vector<Deferred> deferred_;
+
+  std::mutex callback_mutex_;
+  std::function<void()> oom_callback_;
+  std::vector<CCA::OutOfMemoryObserver> oom_observers_;
+
+  // Memory history (torch.cuda.memory._record_memory_history) and trace trackers.
+  std::mutex trace_mutex_;
+  std::atomic<bool> tracing_{false};  // history on, or a tracker attached
+  bool record_history_ = false;
+  CCA::CreateContextFn context_recorder_ = nullptr;
+  CCA::RecordContext record_context_ = CCA::RecordContext::NEVER;
+  std::size_t max_entries_ = 1;
+  std::vector<std::deque<CCA::TraceEntry>> traces_;  // per device
+  std::unordered_set<int> skip_actions_;
+  std::unordered_map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> alloc_context_;
+  std::vector<CCA::AllocatorTraceTracker> trackers_;
+
+  std::atomic<bool> warned_foreign_{false};
+};
+
+}  // namespace gpumem::torch_bridge

@@ -38,6 +38,9 @@ def test_allocate_write_read_free_and_trim_returns_memory(torch_cuda, kind):
         pytest.skip("device without virtual memory management")
     upstream = _C.cuda_upstream(kind, 0)
     pool = _C.Pool(upstream, release="never")
+    # Load the kernels the checks use first: module loading takes device memory the pool never sees.
+    warm = torch.ones(1024, device="cuda")
+    assert torch.all(warm.fill_(2.0) == 2.0).item()
     torch.cuda.synchronize()
     free_before = upstream.free_bytes
     sizes = [1000, 512 * 1024, 3 * MiB, 64 * MiB, 256 * MiB]

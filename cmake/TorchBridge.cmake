@@ -35,7 +35,10 @@ else()
     target_include_directories(_bridge PRIVATE ${GPUMEM_TORCH_INCLUDES} ${GPUMEM_CUDA_INCLUDE})
     target_compile_definitions(_bridge PRIVATE _GLIBCXX_USE_CXX11_ABI=${GPUMEM_TORCH_ABI} USE_CUDA=1)
     target_link_directories(_bridge PRIVATE ${GPUMEM_TORCH_LIBDIR})
-    target_link_libraries(_bridge PRIVATE gpumem_core c10 c10_cuda torch torch_cpu torch_cuda torch_python)
+    # The CUDA runtime torch itself loaded (same soname) resolves the bridge's cuda* calls.
+    find_package(CUDAToolkit REQUIRED)
+    target_link_libraries(_bridge PRIVATE gpumem_core c10 c10_cuda torch torch_cpu torch_cuda torch_python
+                                          CUDA::cudart)
     # Found at run time next to torch's own libraries, which torch has already loaded.
     set_target_properties(_bridge PROPERTIES INSTALL_RPATH "${GPUMEM_TORCH_LIBDIR}")
     install(TARGETS _bridge LIBRARY DESTINATION gpumem)

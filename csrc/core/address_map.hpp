@@ -31,12 +31,16 @@ class AddressMap {
   }
   const Value* find(std::uintptr_t key) const { return const_cast<AddressMap*>(this)->find(key); }
 
-  bool erase(std::uintptr_t key) {
+  bool erase(std::uintptr_t key) { return take(key, nullptr); }
+
+  // Finds and removes `key` in one probe; stores its value in *out (if given). False if absent.
+  bool take(std::uintptr_t key, Value* out) {
     std::size_t i = index(key);
     for (;; i = (i + 1) & mask()) {
       if (!slots_[i].used) return false;
       if (slots_[i].key == key) break;
     }
+    if (out) *out = slots_[i].value;
     // Backward-shift: pull later entries of the probe run into the hole so lookups never need tombstones.
     std::size_t hole = i;
     for (std::size_t j = (hole + 1) & mask(); slots_[j].used; j = (j + 1) & mask()) {

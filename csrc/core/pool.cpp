@@ -72,12 +72,14 @@ void Pool::delete_block(Block* block) {
 }
 
 Pool::Arena& Pool::arena_for(StreamId stream, bool small) {
+  Arena*& last = last_arena_[small];  // most calls repeat the previous stream
+  if (last && last->stream == stream) return *last;
   for (auto& a : arenas_)
-    if (a->stream == stream && a->small == small) return *a;
+    if (a->stream == stream && a->small == small) return *(last = a.get());
   arenas_.push_back(std::make_unique<Arena>());
   arenas_.back()->stream = stream;
   arenas_.back()->small = small;
-  return *arenas_.back();
+  return *(last = arenas_.back().get());
 }
 
 void Pool::add_reserved(Region* region, std::int64_t bytes) {
@@ -153,7 +155,17 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
   block->requested = requested;
   split(block, rounded);
-  if (block->region->paged && !ensure_mapped(block)) {
+  bool mapped = true;
+  try {
+    mapped = !block->region->paged || ensure_mapped(block);
+  } catch (...) {
+    mapped = false;  // a driver error other than OOM: put the block back, then report it
+    block->state = BlockInfo::kFree;
+    block->requested = 0;
+    insert_free(block);
+    throw;
+  }
+  if (!mapped) {
     block->state = BlockInfo::kFree;
     block->requested = 0;
     insert_free(block);
@@ -338,7 +350,11 @@ Pool::Block* Pool::find_live(std::uintptr_t address, const char* what) const {
 void Pool::free(std::uintptr_t address) {
   if (address == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  Block* block = find_live(address, "free");
+  Block* block = nullptr;
+  if (!live_.take(address, &block) || block->state != BlockInfo::kAllocated) {
+    if (block) live_.put(address, block);  // a pending block: put it back untouched
+    find_live(address, "free");            // throws the message for a foreign or double free
+  }
   StatType type = pool_of(block->region);
   const std::int64_t size = static_cast<std::int64_t>(block->size);
   update(stats_.allocation, type, [](Stat& s) { s.decrease(1); });
@@ -347,16 +363,29 @@ void Pool::free(std::uintptr_t address) {
          [&](Stat& s) { s.decrease(static_cast<std::int64_t>(block->requested)); });
   block->requested = 0;
   if (block->extra_streams.empty()) {
-    live_.erase(address);
     return_to_arena(block);
     return;
   }
   // Used on other streams too: reuse only once their work queued so far has completed.
-  block->state = BlockInfo::kPending;
-  for (StreamId s : block->extra_streams) {
-    pending_.push_back(PendingFree{block, upstream_->record_event(s)});
-    block->pending_events++;
+  std::vector<EventId> events;
+  try {
+    for (StreamId s : block->extra_streams) events.push_back(upstream_->record_event(s));
+  } catch (...) {
+    // Without events, wait for those streams here rather than risk early reuse.
+    try {
+      for (EventId e : events) upstream_->destroy_event(e);
+      for (StreamId s : block->extra_streams) upstream_->synchronize(s);
+    } catch (...) {
+      // The driver is failing; the block is still returned so the pool's accounting stays exact.
+    }
+    block->extra_streams.clear();
+    return_to_arena(block);
+    return;
   }
+  live_.put(address, block);  // stays findable while its events are pending
+  block->state = BlockInfo::kPending;
+  for (EventId e : events) pending_.push_back(PendingFree{block, e});
+  block->pending_events = static_cast<std::uint32_t>(events.size());
   block->extra_streams.clear();
 }
 
@@ -430,7 +459,19 @@ std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
 
 // Returns cached memory (whole free pages, whole free segments) to the device until `target` bytes
 // have gone back or nothing more can. Largest free blocks go first: they give the most per call.
-std::size_t Pool::release_cached(std::size_t target) {
+std::size_t Pool::release_cached(std::size_t target, bool rethrow) {
+  std::size_t released = 0;
+  try {
+    released = release_cached_units(target);
+  } catch (const UpstreamError&) {
+    // The unit that failed stays reserved and accounted; allocation paths carry on with what they
+    // have (and report an OOM if that is not enough), trim() reports the driver's error.
+    if (rethrow) throw;
+  }
+  return released;
+}
+
+std::size_t Pool::release_cached_units(std::size_t target) {
   std::size_t released = 0;
   for (auto& arena_ptr : arenas_) {
     Arena& arena = *arena_ptr;
@@ -474,7 +515,7 @@ std::size_t Pool::release_cached(std::size_t target) {
 
 std::size_t Pool::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return release_cached(std::numeric_limits<std::size_t>::max());
+  return release_cached(std::numeric_limits<std::size_t>::max(), /*rethrow=*/true);
 }
 
 // ---- cap, stats, introspection -------------------------------------------------------------------

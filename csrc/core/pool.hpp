@@ -161,7 +161,8 @@ class Pool {
   Region* add_paged_region(Arena& arena);
   bool ensure_mapped(Block* block);
   bool make_room(std::size_t bytes);
-  std::size_t release_cached(std::size_t target);
+  std::size_t release_cached(std::size_t target, bool rethrow = false);
+  std::size_t release_cached_units(std::size_t target);
   std::size_t release_pages_of(Block* block, std::size_t target);
   void split(Block* block, std::size_t size);
   void insert_free(Block* block);
@@ -180,6 +181,7 @@ class Pool {
   std::size_t page_size_;
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<Arena>> arenas_;
+  Arena* last_arena_[2] = {nullptr, nullptr};  // last arena used, large [0] and small [1]
   AddressMap<Block*> live_;  // allocated and pending blocks by address
   std::deque<PendingFree> pending_;
   std::size_t high_water_ = 0;  // highest reserved bytes so far (not reset by reset_peak_stats)

@@ -218,7 +218,7 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
                     std::shared_ptr<c10::GatheredContext> context);
   std::shared_ptr<c10::GatheredContext> gather_context(CCA::RecordContext level);
   void trace_alloc(int device, std::uintptr_t p, std::size_t size, cudaStream_t stream, MempoolId pool);
-  void trace_free(int device, std::uintptr_t p);
+  void trace_free(int device, std::uintptr_t p, std::size_t size, MempoolId pool);
   void append_segments(CCA::SnapshotInfo& out, int device, Pool& pool, MempoolId owner);
   CCA::SnapshotInfo snapshot_impl(MempoolId mempool_id, bool include_traces);
   void empty_cache_impl(MempoolId mempool_id);

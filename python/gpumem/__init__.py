@@ -1,18 +1,65 @@
 """gpumem: a pooled CUDA allocator for PyTorch, and the tools around it.
 
 ``import gpumem`` makes gpumem's pool PyTorch's CUDA allocator (when torch has CUDA and has not
-started it yet), so ``torch.cuda.memory_allocated()``, ``empty_cache()``, OOM errors and the rest
-keep working and tell the truth about gpumem's pool.
+started CUDA yet), so ``torch.cuda.memory_allocated()``, ``empty_cache()``, OOM errors and the rest
+keep working and tell the truth about gpumem's pool. ``gpumem.status_line()`` says what is active.
 
     >>> import gpumem
-    >>> gpumem.replay("trace.gz")            # doctest: +SKIP
+    >>> gpumem.status_line()                                   # doctest: +SKIP
+    >>> res = gpumem.find_batch_size(model, (1024,), dtype=torch.long)   # doctest: +SKIP
+    >>> report = gpumem.cleanup()                              # doctest: +SKIP
+    >>> print(gpumem.summary())                                # doctest: +SKIP
+
+Importing gpumem never fails for lack of a GPU or of torch: the features that need them say so when
+they are used.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from . import _C
 from ._C import OutOfMemoryError, Pool, SimulatedDevice
 from .config import parse_config
 from .replay import replay
+from . import _torch
 
-__all__ = ["OutOfMemoryError", "Pool", "SimulatedDevice", "parse_config", "replay"]
 __version__ = "0.1.0"
+
+# Registers the pool as torch's CUDA allocator when it can; raises ValueError for a bad GPUMEM_CONF.
+_torch.install()
+from ._torch import is_active, pool, stats, status_line  # noqa: E402
+
+# Parts that need torch (or IPython) are imported when first used, so `import gpumem` stays cheap
+# and works without them.
+_LAZY = {
+    "find_batch_size": "batch_size",
+    "BatchSizeResult": "batch_size",
+    "BatchSizeError": "batch_size",
+    "cleanup": "cleanup",
+    "CleanupReport": "cleanup",
+    "summary": "views",
+    "plot": "views",
+    "Timeline": "timeline",
+    "record": "timeline",
+    "load_ipython_extension": "ipython_ext",
+    "unload_ipython_extension": "ipython_ext",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["OutOfMemoryError", "Pool", "SimulatedDevice", "parse_config", "replay", "is_active", "pool",
+           "stats", "status_line", *_LAZY]

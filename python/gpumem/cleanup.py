@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -257,12 +258,14 @@ def _live_tensors(pred) -> List[Any]:
         return []
     T = torch.Tensor
     out = []
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, T) and pred(o):
-                out.append(o)
-        except Exception:
-            continue
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, T) and pred(o):
+                    out.append(o)
+            except Exception:
+                continue
     return out
 
 
@@ -326,9 +329,18 @@ def _clear_tb(tb: Optional[types.TracebackType], seen_frames: set) -> Tuple[int,
         f = tb.tb_frame
         if id(f) not in seen_frames:
             seen_frames.add(id(f))
+            loc = None
+            try:
+                # function frames (3.11/3.12) keep a snapshot dict of their locals that clear() leaves
+                if f.f_code.co_flags & 0x01 and f.f_locals is not f.f_globals:  # CO_OPTIMIZED
+                    loc = f.f_locals
+            except Exception:
+                loc = None
             try:
                 f.clear()
                 cleared += 1
+                if isinstance(loc, dict):
+                    loc.clear()
             except RuntimeError:  # still executing (e.g. the caller, when called in `except`)
                 skipped += 1
             except Exception:
@@ -411,6 +423,9 @@ def _clear_output_cache(shell: Any, pred) -> List[str]:
     for c in (ns.get("_oh"), ns.get("Out"), getattr(getattr(shell, "history_manager", None), "output_hist", None)):
         if isinstance(c, dict) and all(c is not x for x in caches):
             caches.append(c)
+    hidden = getattr(shell, "user_ns_hidden", None)
+    if not isinstance(hidden, dict):
+        hidden = {}
     victims: Dict[int, Any] = {}
     for cache in caches:
         for k in list(cache.keys()):
@@ -424,6 +439,8 @@ def _clear_output_cache(shell: Any, pred) -> List[str]:
                 if ns.get(un) is v:
                     del ns[un]
                     dropped.append(un)
+                if hidden.get(un) is v:
+                    del hidden[un]
     dh = getattr(shell, "displayhook", None)
     for u in ("_", "__", "___"):
         v = getattr(dh, u, None) if dh is not None else None
@@ -433,6 +450,8 @@ def _clear_output_cache(shell: Any, pred) -> List[str]:
         if ns.get(u) is v:  # only when IPython owns the name (user did not assign it)
             ns[u] = ""
             dropped.append(u)
+        if hidden.get(u) is v:
+            hidden[u] = ""
         try:
             setattr(dh, u, "")
         except Exception:
@@ -485,6 +504,10 @@ def _delete_names(names: Sequence[Any], spaces: List[dict], shell: Any, pred, re
                     del out[k]
                     if uns.get(f"_{k}") is v:
                         del uns[f"_{k}"]
+            hid = getattr(shell, "user_ns_hidden", None)
+            hid = hid if isinstance(hid, dict) else {}
+            for k in [k for k, x in hid.items() if x is v and k.startswith("_")]:
+                del hid[k]
             dh = getattr(shell, "displayhook", None)
             for u in ("_", "__", "___"):
                 if dh is not None and getattr(dh, u, None) is v:
@@ -654,6 +677,8 @@ def _describe_referrers(t, exclude: set, limit: int = 3) -> List[str]:
                 out.append(f"{type(r).__name__} of {len(r)} items")
             elif type(r).__name__ == "cell":
                 out.append("closure variable")
+            elif hasattr(r, "__traceback__") or type(r).__name__ == "weakref":
+                continue
             else:
                 out.append(f"<{type(r).__name__}>")
         except Exception:
@@ -672,17 +697,39 @@ def find_holders(spaces: List[dict], pred, top: int = 10) -> Tuple[List[Holder],
         k = _storage_key(t)
         if k is not None:
             groups.setdefault(k, []).append(t)
+    named = _name_tensors(spaces, pred)
+    # storages that no name reaches: does any Python object (not ours) refer to one of their tensors?
+    # (tensors kept only by C++ - e.g. saved for backward - can still have a preserved Python object)
+    exclude = {id(tensors), id(groups)} | {id(v) for v in groups.values()}
+    unnamed = {id(t): k for k, ts in groups.items() if k not in named for t in ts}
+    referred: set = set()
+    if unnamed:
+        me = sys._getframe()
+        objs = gc.get_objects()
+        exclude.add(id(objs))
+        for o in objs:
+            if id(o) in exclude or o is me:
+                continue
+            try:
+                for x in gc.get_referents(o):
+                    k = unnamed.get(id(x))
+                    if k is not None and x is not o:
+                        referred.add(k)
+            except Exception:
+                continue
+        del objs, me
     explained: Dict[str, int] = {}
     for k in groups:
-        explained[k[0]] = explained.get(k[0], 0) + k[2]
-    named = _name_tensors(spaces, pred)
+        if k in named or k in referred:
+            explained[k[0]] = explained.get(k[0], 0) + k[2]
     order = sorted(groups.keys(), key=lambda k: -k[2])[: max(0, top)]
     holders: List[Holder] = []
-    exclude = {id(tensors), id(groups)} | {id(v) for v in groups.values()}
     for k in order:
         ts = groups[k]
         big = max(ts, key=lambda x: x.numel())
         refs = list(named.get(k, []))
+        if not refs and k not in referred:
+            refs = ["(no Python referrer: kept alive from C++, e.g. saved by the autograd graph)"]
         if not refs:
             for t in ts:
                 refs.extend(_describe_referrers(t, exclude))

@@ -75,8 +75,18 @@ struct Reader {
     --n;
     return *p++;
   }
-  std::uint16_t u16() { return static_cast<std::uint16_t>(u8() | (u8() << 8)); }
-  std::uint32_t u32() { return u16() | (static_cast<std::uint32_t>(u16()) << 16); }
+  // Each byte read in its own statement: operand order is unspecified, and the corpus must decode
+  // the same way under every compiler.
+  std::uint16_t u16() {
+    std::uint16_t lo = u8();
+    std::uint16_t hi = u8();
+    return static_cast<std::uint16_t>(lo | (hi << 8));
+  }
+  std::uint32_t u32() {
+    std::uint32_t lo = u16();
+    std::uint32_t hi = u16();
+    return lo | (hi << 16);
+  }
 };
 
 bool overlaps(std::uintptr_t a, std::size_t an, std::uintptr_t b, std::size_t bn) {
@@ -329,7 +339,11 @@ class Harness {
         return edges[in_.u8() % (sizeof edges / sizeof edges[0])];
       }
       case 3: return 1 + std::size_t(in_.u16()) * 256;  // up to 16 MiB
-      case 4: return (1 + in_.u8() % 8) * page_ + (in_.u8() % 3 == 0 ? 0 : in_.u16() % page_);
+      case 4: {
+        std::size_t pages = 1 + in_.u8() % 8;
+        std::size_t extra = in_.u8() % 3 == 0 ? 0 : in_.u16() % page_;
+        return pages * page_ + extra;
+      }
       case 5: return 1 + std::size_t(in_.u8()) * (capacity_ / 64);  // up to 4x the device
       case 6: return 0;
       case 7: {

@@ -1,0 +1,185 @@
+"""gpumem as PyTorch's CUDA allocator: registration at import, the scoped route, stats.
+
+``install()`` (run by ``import gpumem``) makes gpumem torch's CUDA allocator when it can:
+
+* ``GPUMEM_DISABLE=1``              -> nothing is registered; torch keeps its own allocator.
+* ``GPUMEM_CONF`` is invalid        -> ``ValueError`` naming the key (checked first, GPU or not).
+* no torch / CPU-only torch / the bridge (``gpumem._bridge``) not built -> gpumem still imports;
+  ``status_line()`` says what is missing.
+* CUDA already initialized          -> one warning saying what to do; ``with gpumem.pool(): ...``
+  still routes allocations to gpumem through ``torch.cuda.MemPool``.
+* otherwise                         -> registered; ``gc.collect()`` runs before an allocation fails
+  (unless ``gc_on_oom:false``).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import warnings
+from typing import Any, Dict, Iterator, Optional
+
+__all__ = ["install", "is_active", "pool", "stats", "status_line"]
+
+_DISABLE_VALUES = {"1", "true", "yes", "on"}
+
+_status: str = "gpumem: the torch bridge has not been set up yet (gpumem._torch.install() not run)"
+_installed = False
+_warned = False
+_bridge: Any = None
+_bridge_ready = False
+
+
+def _disabled() -> bool:
+    return os.environ.get("GPUMEM_DISABLE", "").strip().lower() in _DISABLE_VALUES
+
+
+def _parse_conf(conf: str) -> Optional[Dict[str, Any]]:
+    """Validates GPUMEM_CONF without a GPU; raises ValueError naming the key. None if the core
+    extension is not importable (then the bridge validates it when it initializes)."""
+    try:
+        from .config import parse_config
+    except ImportError:
+        return None
+    return dict(parse_config(conf))
+
+
+def _import_bridge() -> Any:
+    from . import _bridge as bridge  # type: ignore[attr-defined]
+
+    return bridge
+
+
+def _gc_collect() -> None:
+    gc.collect()
+
+
+def _init_bridge(torch: Any) -> Any:
+    """The bridge, configured from GPUMEM_CONF (once)."""
+    global _bridge, _bridge_ready
+    if _bridge_ready:
+        return _bridge
+    bridge = _import_bridge()
+    conf = os.environ.get("GPUMEM_CONF", "")
+    bridge.init(conf)
+    parsed = _parse_conf(conf)
+    if parsed is None or parsed.get("gc_on_oom", True):
+        bridge.set_oom_callback(_gc_collect)
+    _bridge, _bridge_ready = bridge, True
+    return bridge
+
+
+def _torch_with_cuda() -> Any:
+    """torch, or a string saying why it cannot be used."""
+    try:
+        import torch
+    except Exception as e:  # not installed, or broken
+        return f"gpumem: PyTorch is not importable ({type(e).__name__}: {e}); the torch bridge is skipped"
+    if getattr(torch.version, "cuda", None) is None:
+        return (f"gpumem: PyTorch {torch.__version__} is a CPU-only build; the torch bridge is skipped "
+                f"(install a CUDA build of torch and reinstall gpumem)")
+    return torch
+
+
+def install() -> str:
+    """Registers gpumem as torch's CUDA allocator if it can; returns ``status_line()``.
+
+    Raises ``ValueError`` (naming the key) for a bad ``GPUMEM_CONF``. Idempotent.
+    """
+    global _installed, _status, _warned
+    if _installed:
+        return _status
+    if _disabled():
+        _installed = True
+        _status = "gpumem: disabled by GPUMEM_DISABLE=1; torch keeps its own CUDA allocator"
+        return _status
+    _parse_conf(os.environ.get("GPUMEM_CONF", ""))  # bad config: raise now, GPU or not
+    _installed = True
+    torch = _torch_with_cuda()
+    if isinstance(torch, str):
+        _status = torch
+        return _status
+    try:
+        _import_bridge()
+    except ImportError as e:
+        _status = (f"gpumem: the torch bridge (gpumem._bridge) is not built ({e}); torch keeps its own "
+                   f"allocator. Reinstall gpumem with torch {torch.__version__} installed to build it")
+        return _status
+    bridge = _init_bridge(torch)
+    if bridge.is_current():
+        _status = "gpumem: active as torch's CUDA allocator"
+        return _status
+    if torch.cuda.is_initialized():
+        _status = ("gpumem: CUDA was initialized before gpumem was imported, so torch's own allocator "
+                   "stays in charge; `with gpumem.pool(): ...` routes allocations to gpumem")
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                "gpumem could not become PyTorch's CUDA allocator because CUDA was already "
+                "initialized in this process. Import gpumem before anything touches the GPU (first "
+                "line of the script / first notebook cell, then restart the kernel), or use "
+                "`with gpumem.pool(): ...` for the allocations that should come from gpumem.",
+                RuntimeWarning, stacklevel=3)
+        return _status
+    bridge.register()
+    _status = "gpumem: active as torch's CUDA allocator"
+    return _status
+
+
+def status_line() -> str:
+    """One line: whether gpumem is torch's allocator, and if not, what is missing."""
+    if not _installed and _disabled():
+        return "gpumem: disabled by GPUMEM_DISABLE=1; torch keeps its own CUDA allocator"
+    if _bridge_ready and _bridge.is_current():
+        return "gpumem: active as torch's CUDA allocator"
+    return _status
+
+
+def is_active() -> bool:
+    """True when gpumem is PyTorch's CUDA allocator in this process."""
+    return bool(_bridge_ready and _bridge.is_current())
+
+
+def _device_index(torch: Any, device: Any) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+@contextlib.contextmanager
+def pool(device: Any = None) -> Iterator[Any]:
+    """Allocations inside come from gpumem, even when CUDA started before ``import gpumem``.
+
+    Uses ``torch.cuda.MemPool(allocator=gpumem)`` + ``torch.cuda.use_mem_pool``: torch's allocator
+    carves its blocks from memory gpumem hands out. Yields the MemPool (None when gpumem already is
+    the allocator, where this is a no-op). Tensors made inside stay valid after the block.
+    """
+    torch = _torch_with_cuda()
+    if isinstance(torch, str):
+        raise RuntimeError(torch)
+    bridge = _init_bridge(torch)
+    if bridge.is_current():
+        yield None
+        return
+    index = _device_index(torch, device)
+    with torch.cuda.device(index):
+        mem_pool = torch.cuda.MemPool(bridge.allocator())
+    with torch.cuda.use_mem_pool(mem_pool, device=index):
+        yield mem_pool
+
+
+def stats(device: Any = None) -> Dict[str, Any]:
+    """gpumem's pool stats of a device in ``torch.cuda.memory_stats()``'s flat shape, plus
+    ``gpumem.cap_bytes`` (0 = no cap) and ``gpumem.largest_free_bytes``."""
+    torch = _torch_with_cuda()
+    if isinstance(torch, str):
+        raise RuntimeError(torch)
+    bridge = _init_bridge(torch)
+    index = _device_index(torch, device)
+    out = dict(bridge.device_stats(index))
+    out["gpumem.cap_bytes"] = int(bridge.cap(index))
+    out["gpumem.largest_free_bytes"] = int(bridge.largest_free(index))
+    return out

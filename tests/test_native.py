@@ -1,0 +1,128 @@
+"""The native (C++) test layer, built and run from pytest:
+
+- pool_tests and the fuzz corpus replayed (plus random inputs) under AddressSanitizer + UBSan;
+- stress_threads (8 threads, several streams, random sizes) under ThreadSanitizer;
+- a short coverage-guided libFuzzer run of fuzz_pool, when clang is installed.
+
+Builds are cached under build/native-asan, build/native-tsan and build/native-fuzz; only the targets
+needed are built, with -j2. Environment knobs: GPUMEM_FUZZ_SECONDS (default 60) for the libFuzzer
+run, GPUMEM_STRESS_OPS (default 4000 per thread) for the TSan stress test.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "tests" / "native"
+CORPUS = NATIVE / "corpus"
+
+CMAKE = shutil.which("cmake")
+CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+CLANGXX = shutil.which("clang++") or next(
+    (shutil.which(f"clang++-{v}") for v in range(20, 13, -1) if shutil.which(f"clang++-{v}")), None)
+
+pytestmark = pytest.mark.skipif(
+    CMAKE is None or CXX is None,
+    reason=f"native tests need cmake and a C++ compiler (cmake: {CMAKE}, c++: {CXX}); "
+           "install them with: apt-get install -y cmake g++",
+)
+
+ASAN_FLAGS = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+TSAN_FLAGS = "-fsanitize=thread -fno-omit-frame-pointer"
+SAN_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1",
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    "TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1",
+}
+
+
+def _run(cmd, timeout, env=None, cwd=None):
+    full_env = dict(os.environ, **SAN_ENV, **(env or {}))
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = proc.stdout + proc.stderr
+    return proc.returncode, out
+
+
+def _build(name, cxx_flags, targets, compiler=None):
+    build = ROOT / "build" / f"native-{name}"
+    cfg = [CMAKE, "-S", ROOT, "-B", build, "-DGPUMEM_BUILD_PYTHON=OFF", "-DGPUMEM_BUILD_NATIVE=ON",
+           "-DCMAKE_BUILD_TYPE=RelWithDebInfo", f"-DCMAKE_CXX_FLAGS={cxx_flags}"]
+    if compiler:
+        cfg.append(f"-DCMAKE_CXX_COMPILER={compiler}")
+    rc, out = _run(cfg, timeout=300)
+    assert rc == 0, f"cmake configure of {build} failed:\n{out[-4000:]}"
+    rc, out = _run([CMAKE, "--build", build, "-j2", "--target", *targets], timeout=900)
+    assert rc == 0, f"build of {targets} in {build} failed:\n{out[-6000:]}"
+    return build / "tests" / "native"
+
+
+def _tsan_prefix():
+    """TSan maps its shadow at fixed addresses; kernels with 32-bit mmap randomisation break that
+    ("unexpected memory mapping"). Running with ASLR off (setarch -R) avoids it."""
+    setarch = shutil.which("setarch")
+    return [setarch, os.uname().machine, "-R"] if setarch else []
+
+
+@pytest.fixture(scope="module")
+def asan_bin():
+    return _build("asan", ASAN_FLAGS, ["pool_tests", "fuzz_replay"])
+
+
+@pytest.fixture(scope="module")
+def tsan_bin():
+    return _build("tsan", TSAN_FLAGS, ["stress_threads"])
+
+
+@pytest.fixture(scope="module")
+def fuzz_bin():
+    if CLANGXX is None:
+        pytest.skip("clang is not installed, so there is no libFuzzer: apt-get install -y clang "
+                    "(the corpus still runs through fuzz_replay under ASan+UBSan)")
+    return _build("fuzz", ASAN_FLAGS, ["fuzz_pool"], compiler=CLANGXX)
+
+
+def test_pool_tests_under_asan_ubsan(asan_bin):
+    rc, out = _run([asan_bin / "pool_tests"], timeout=300)
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    assert rc == 0 and re.fullmatch(r"\d+ passed, 0 failed", last), out[-6000:]
+    print(last)
+
+
+def test_fuzz_corpus_and_random_inputs_replay_under_asan_ubsan(asan_bin, tmp_path):
+    assert CORPUS.is_dir() and any(CORPUS.iterdir()), f"the seed corpus {CORPUS} is missing"
+    rc, out = _run([asan_bin / "fuzz_replay", CORPUS, "--random", "400", "--seed", "7"], timeout=300,
+                   cwd=tmp_path)
+    assert rc == 0 and "0 failures" in out, out[-6000:]
+    print(out.strip().splitlines()[-1])
+
+
+def test_stress_threads_under_tsan(tsan_bin):
+    ops = os.environ.get("GPUMEM_STRESS_OPS", "4000")
+    cmd = [*_tsan_prefix(), tsan_bin / "stress_threads", "--threads", "8", "--ops", ops]
+    rc, out = _run(cmd, timeout=600)
+    if rc != 0 and "unexpected memory mapping" in out and cmd[0] != str(tsan_bin / "stress_threads"):
+        pytest.fail("TSan cannot map its shadow memory even with ASLR off:\n" + out[-2000:])
+    assert rc == 0 and "stress_threads: OK" in out and "WARNING: ThreadSanitizer" not in out, out[-8000:]
+    print(out.strip().splitlines()[-1])
+
+
+def test_libfuzzer_short_run(fuzz_bin, tmp_path):
+    seconds = int(os.environ.get("GPUMEM_FUZZ_SECONDS", "60"))
+    work = tmp_path / "corpus"
+    shutil.copytree(CORPUS, work)  # new inputs go to the copy; the repository's corpus stays as it is
+    cmd = [fuzz_bin / "fuzz_pool", work, f"-max_total_time={seconds}", "-max_len=2048", "-timeout=30",
+           "-rss_limit_mb=2048", "-print_final_stats=1", f"-artifact_prefix={tmp_path}/"]
+    rc, out = _run(cmd, timeout=seconds + 240)
+    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "leak-", "timeout-")))
+    assert rc == 0 and not crashes, f"libFuzzer found {crashes}:\n{out[-8000:]}"
+    execs = re.search(r"stat::number_of_executed_units:\s*(\d+)", out)
+    assert execs and int(execs.group(1)) > 0, out[-4000:]
+    print(f"libFuzzer: {execs.group(1)} inputs executed in {seconds} s, 0 failures", file=sys.stderr)

@@ -2,7 +2,7 @@
 # gpumem, and only when that torch has CUDA. Paths come from torch itself rather than its CMake
 # package, which would pull in a full CUDA toolchain search.
 execute_process(
-  COMMAND ${Python_EXECUTABLE} -c "import torch, os, torch.utils.cpp_extension as e; print(torch.__version__); print(torch.version.cuda or ''); print(';'.join(e.include_paths())); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"
+  COMMAND ${Python_EXECUTABLE} -c "import torch, os, torch.utils.cpp_extension as e; print(torch.__version__); print(torch.version.cuda or ''); print(','.join(e.include_paths())); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"
   OUTPUT_VARIABLE GPUMEM_TORCH_INFO
   ERROR_VARIABLE GPUMEM_TORCH_ERROR
   RESULT_VARIABLE GPUMEM_TORCH_RESULT

@@ -160,9 +160,13 @@ def run(args):
             loss_hex.append(float.hex(value))
             shapes.append([B, L])
             samples_t.append(round(now, 4))
-            reserved.append(torch.cuda.memory_reserved())
-            allocated.append(torch.cuda.memory_allocated())
             used.append(total - free)
+            try:
+                reserved.append(torch.cuda.memory_reserved())
+                allocated.append(torch.cuda.memory_allocated())
+            except RuntimeError:  # an allocator without stats: the device's own figure stands in
+                reserved.append(used[-1])
+                allocated.append(0)
             step_ms.append(1000 * (time.perf_counter() - t_step))
             step += 1
             done = now >= limit
@@ -194,8 +198,8 @@ def run(args):
         window_s=win, reserved_minute1_peak=first, reserved_last_window_peak=last,
         reserved_peak_after_minute1=after_warmup, growth_after_minute1=growth, tolerance_bytes=tolerance,
         crept=None if growth is None else growth > tolerance,
-        reserved_at_end=reserved[-1], max_reserved=torch.cuda.max_memory_reserved(),
-        max_allocated=torch.cuda.max_memory_allocated(), peak_device_used=max(used),
+        reserved_at_end=reserved[-1], max_reserved=max(reserved), max_allocated=max(allocated),
+        peak_device_used=max(used),
         final_loss=losses[-1], nondeterministic_ops=nondeterministic,
         torch=torch.__version__, device=torch.cuda.get_device_name(), sdpa=args.sdpa,
         deterministic=args.deterministic)

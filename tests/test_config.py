@@ -6,7 +6,8 @@ from gpumem import _C, parse_config
 
 def test_defaults():
     assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
-                                "release": "high_water", "gc_on_oom": True}
+                                "release": "high_water", "release_slack": 0.005,
+                                "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True}
 
 
 @pytest.mark.parametrize(
@@ -21,6 +22,8 @@ def test_defaults():
         ("cap:1073741824", "cap_bytes", 1 << 30),
         ("release:never", "release", "never"),
         ("gc_on_oom:false", "gc_on_oom", False),
+        ("release_slack:0", "release_slack", 0.0),
+        ("page_size:16MiB", "page_size", 16 << 20),
         (" Upstream : VMM , , release:high_water", "upstream", "vmm"),
     ],
 )
@@ -31,7 +34,9 @@ def test_accepted(text, key, value):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, gc_on_oom"),
+        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom"),
+        ("release_slack:2", "release_slack='2' is not valid"),
+        ("page_size:3MiB", "page_size='3MiB' is not valid; accepted: a multiple of 2MiB"),
         ("upstream:cuda", "upstream='cuda' is not valid; accepted: auto, vmm, segments"),
         ("cap:1.5", "cap='1.5' is not valid"),
         ("cap:0.0", "cap='0.0' is not valid"),

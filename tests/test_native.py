@@ -6,7 +6,7 @@
 
 Builds are cached under build/native-asan, build/native-tsan and build/native-fuzz; only the targets
 needed are built, with -j2. Environment knobs: GPUMEM_FUZZ_SECONDS (default 60) for the libFuzzer
-run, GPUMEM_STRESS_OPS (default 4000 per thread) for the TSan stress test.
+run, GPUMEM_STRESS_OPS (default 20000 per thread) for the TSan stress test.
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def fuzz_bin():
     if CLANGXX is None:
         pytest.skip("clang is not installed, so there is no libFuzzer: apt-get install -y clang "
                     "(the corpus still runs through fuzz_replay under ASan+UBSan)")
-    return _build("fuzz", ASAN_FLAGS, ["fuzz_pool"], compiler=CLANGXX)
+    # fuzzer-no-link instruments gpumem_core too: coverage must come from the pool, not the harness.
+    return _build("fuzz", ASAN_FLAGS + " -fsanitize=fuzzer-no-link", ["fuzz_pool"], compiler=CLANGXX)
 
 
 def test_pool_tests_under_asan_ubsan(asan_bin):
@@ -105,11 +106,14 @@ def test_fuzz_corpus_and_random_inputs_replay_under_asan_ubsan(asan_bin, tmp_pat
 
 
 def test_stress_threads_under_tsan(tsan_bin):
-    ops = os.environ.get("GPUMEM_STRESS_OPS", "4000")
+    ops = os.environ.get("GPUMEM_STRESS_OPS", "20000")
     cmd = [*_tsan_prefix(), tsan_bin / "stress_threads", "--threads", "8", "--ops", ops]
     rc, out = _run(cmd, timeout=600)
-    if rc != 0 and "unexpected memory mapping" in out and cmd[0] != str(tsan_bin / "stress_threads"):
-        pytest.fail("TSan cannot map its shadow memory even with ASLR off:\n" + out[-2000:])
+    if rc != 0 and "setarch" in out and "not permitted" in out:  # a sandbox that forbids personality()
+        rc, out = _run(cmd[3:], timeout=600)
+    if rc != 0 and "unexpected memory mapping" in out:
+        pytest.fail("TSan cannot map its shadow memory (kernel mmap randomisation; ASLR could not be "
+                    "turned off):\n" + out[-2000:])
     assert rc == 0 and "stress_threads: OK" in out and "WARNING: ThreadSanitizer" not in out, out[-8000:]
     print(out.strip().splitlines()[-1])
 

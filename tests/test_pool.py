@@ -218,9 +218,11 @@ def test_high_water_policy_reuses_cached_pages_instead_of_growing():
     tail = pool.allocate(300 * MiB)
     pool.free(big)  # 600 MiB cached between two live blocks
     peak = flat(pool.stats(), "reserved_bytes", "peak")
-    # 700 MiB does not fit the hole: the pool unmaps the hole's pages before mapping new ones.
+    # 700 MiB does not fit the hole: the pool unmaps the hole's pages before mapping new ones, so
+    # reserved ends within the release slack (0.5% of the live peak) of what live data needs.
     x = pool.allocate(700 * MiB)
-    assert flat(pool.stats(), "reserved_bytes", "peak") <= peak + 100 * MiB + 4 * MiB
+    live_peak = 1300 * MiB
+    assert flat(pool.stats(), "reserved_bytes", "peak") <= max(peak, live_peak * 1.005) + 4 * MiB
     for p in (keep, tail, x):
         pool.free(p)
     pool.validate()

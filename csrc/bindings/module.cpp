@@ -125,7 +125,7 @@ PYBIND11_MODULE(_C, m) {
                                                       to_size(page_size, "page_size"));
            }),
            py::arg("kind") = "vmm", py::arg("capacity") = py::int_(80ull * GiB),
-           py::arg("page_size") = py::int_(2 * MiB),
+           py::arg("page_size") = py::int_(kDefaultPageSize),
            "A device in host memory: fake addresses, a capacity and a page size (kind 'vmm' or 'segments').")
       .def("set_auto_complete", &SimulatedDevice::set_auto_complete, py::arg("on"))
       .def("complete", &SimulatedDevice::complete, py::arg("stream"),
@@ -145,20 +145,24 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_vmm_supported", &cuda_vmm_supported, py::arg("device") = 0);
   m.def("cuda_upstream",
-        [](const std::string& kind, int device) { return make_cuda_upstream(parse_kind(kind), device); },
-        py::arg("kind") = "vmm", py::arg("device") = 0,
+        [](const std::string& kind, int device, const py::int_& page_size) {
+          return make_cuda_upstream(parse_kind(kind), device, to_size(page_size, "page_size"));
+        },
+        py::arg("kind") = "vmm", py::arg("device") = 0, py::arg("page_size") = py::int_(kDefaultPageSize),
         "A CUDA upstream: 'vmm' (virtual memory pages) or 'segments' (cuMemAlloc).");
 
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
-                       int device) {
+                       double release_slack, int device) {
              PoolOptions o;
              o.cap_bytes = to_size(cap, "cap");
              o.release = parse_release(release);
+             o.release_slack = release_slack;
              o.device = device;
              return std::make_shared<Pool>(std::move(upstream), o);
            }),
-           py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "high_water", py::arg("device") = 0)
+           py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "high_water",
+           py::arg("release_slack") = PoolOptions().release_slack, py::arg("device") = 0)
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream) {
              std::size_t bytes = to_size(size, "size");
@@ -262,6 +266,8 @@ PYBIND11_MODULE(_C, m) {
           d["cap_bytes"] = c.cap_bytes;
           d["cap_fraction"] = c.cap_fraction;
           d["release"] = to_string(c.release);
+          d["release_slack"] = c.release_slack;
+          d["page_size"] = c.page_size;
           d["gc_on_oom"] = c.gc_on_oom;
           return d;
         },
@@ -270,5 +276,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("parse_size", &parse_size, py::arg("text"));
   m.attr("HAS_ZLIB") = bool(GPUMEM_WITH_ZLIB);
   m.attr("ALIGNMENT") = kAlignment;
+  m.attr("DEFAULT_PAGE_SIZE") = kDefaultPageSize;
   m.attr("SMALL_LIMIT") = kSmallLimit;
 }

@@ -104,6 +104,22 @@ Config parse_config(const std::string& text, const std::string& source) {
       if (v == "high_water") config.release = ReleasePolicy::kHighWater;
       else if (v == "never") config.release = ReleasePolicy::kNever;
       else bad(key, value, "high_water, never");
+    } else if (key == "release_slack") {
+      double f;
+      std::string rest;
+      if (!parse_number(value, &f, &rest) || !rest.empty() || !(f >= 0 && f <= 1))
+        bad(key, value, "a fraction in [0, 1] such as 0.005");
+      config.release_slack = f;
+    } else if (key == "page_size") {
+      std::size_t bytes = 0;
+      try {
+        bytes = parse_size(value);
+      } catch (const InvalidArgument&) {
+        bad(key, value, "a multiple of 2MiB such as 2MiB, 8MiB, 16MiB");
+      }
+      if (bytes == 0 || bytes % (2 * MiB) != 0 || bytes > 1 * GiB)
+        bad(key, value, "a multiple of 2MiB such as 2MiB, 8MiB, 16MiB (at most 1GiB)");
+      config.page_size = bytes;
     } else if (key == "gc_on_oom") {
       std::string v = lower(value);
       if (v == "1" || v == "true" || v == "yes" || v == "on") config.gc_on_oom = true;
@@ -111,7 +127,7 @@ Config parse_config(const std::string& text, const std::string& source) {
       else bad(key, value, "true, false");
     } else {
       throw InvalidArgument(source + ": unknown key '" + key +
-                            "'; accepted keys: upstream, cap, release, gc_on_oom");
+                            "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom");
     }
   }
   return config;

@@ -1,4 +1,4 @@
-// The configuration string (GPUMEM_CONF), e.g. "upstream:vmm,cap:0.9,release:high_water".
+// The configuration string (GPUMEM_CONF), e.g. "upstream:vmm,cap:0.9,release:high_water,page_size:8MiB".
 // Parsed here, in the core, so that a bad string is rejected the same way with or without a GPU.
 #pragma once
 
@@ -14,6 +14,8 @@ struct Config {
   std::size_t cap_bytes = 0;      // cap as bytes (0 = none) ...
   double cap_fraction = 0.0;      // ... or as a fraction of the device's memory (0 = none)
   ReleasePolicy release = ReleasePolicy::kHighWater;
+  double release_slack = PoolOptions().release_slack;  // see PoolOptions
+  std::size_t page_size = kDefaultPageSize;  // vmm upstream: bytes per physical page (multiple of 2 MiB)
   bool gc_on_oom = true;          // run the registered OOM callbacks (Python: gc.collect) before failing
 };
 

@@ -172,15 +172,14 @@ class CudaSegmentUpstream : public CudaUpstreamBase {
 // Virtual memory: one physical allocation (handle) per page, so any single page can go back.
 class CudaVmmUpstream : public CudaUpstreamBase {
  public:
-  explicit CudaVmmUpstream(int device) : CudaUpstreamBase(device) {
+  CudaVmmUpstream(int device, std::size_t page_size) : CudaUpstreamBase(device) {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop_.location.id = device;
     std::size_t granularity = 0;
     check(driver().cuMemGetAllocationGranularity(&granularity, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
           "cuMemGetAllocationGranularity");
-    page_ = std::max<std::size_t>(2 * MiB, granularity);
-    page_ = round_up(page_, granularity);
+    page_ = round_up(std::max(page_size, granularity), granularity);
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
@@ -281,12 +280,12 @@ bool cuda_vmm_supported(int device) {
   return supported != 0;
 }
 
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device) {
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device, std::size_t page_size) {
   if (kind == UpstreamKind::kPages) {
     if (!cuda_vmm_supported(device))
       throw UpstreamError("gpumem: CUDA device " + std::to_string(device) +
                           " does not support virtual memory management; use upstream:segments");
-    return std::make_shared<CudaVmmUpstream>(device);
+    return std::make_shared<CudaVmmUpstream>(device, page_size);
   }
   return std::make_shared<CudaSegmentUpstream>(device);
 }
@@ -300,7 +299,7 @@ bool cuda_upstreams_built() { return false; }
 bool cuda_available() { return false; }
 int cuda_device_count() { return 0; }
 bool cuda_vmm_supported(int) { return false; }
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int) {
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int, std::size_t) {
   throw UpstreamError("gpumem was built without the CUDA toolkit headers: rebuild with CUDA available");
 }
 }  // namespace gpumem

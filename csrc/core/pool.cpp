@@ -15,6 +15,8 @@ Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
   page_size_ = upstream_->page_size();
   if (page_size_ == 0 || page_size_ % kAlignment != 0)
     throw InvalidArgument("upstream page size must be a positive multiple of 512");
+  if (!(options_.release_slack >= 0 && options_.release_slack <= 1))
+    throw InvalidArgument("release_slack must be in [0, 1], got " + std::to_string(options_.release_slack));
   if (options_.cap_bytes && options_.cap_bytes < page_size_)
     throw InvalidArgument("cap of " + format_bytes(options_.cap_bytes) +
                           " is below one page (" + format_bytes(page_size_) + ")");
@@ -155,6 +157,8 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
   block->requested = requested;
   split(block, rounded);
+  live_high_water_ = std::max<std::size_t>(
+      live_high_water_, stats_.active_bytes[kAggregate].current + block->size);
   bool mapped = true;
   try {
     mapped = !block->region->paged || ensure_mapped(block);
@@ -285,8 +289,10 @@ bool Pool::ensure_mapped(Block* block) {
 // highest reserve so far (best effort). False only when the cap cannot be met.
 bool Pool::make_room(std::size_t bytes) {
   std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
-  if (options_.release == ReleasePolicy::kHighWater && reserved + bytes > high_water_)
-    release_cached(reserved + bytes - high_water_);
+  const auto allowed =
+      static_cast<std::size_t>(static_cast<double>(live_high_water_) * (1.0 + options_.release_slack));
+  if (options_.release == ReleasePolicy::kHighWater && reserved + bytes > allowed)
+    release_cached(reserved + bytes - allowed);
   reserved = stats_.reserved_bytes[kAggregate].current;
   const std::size_t cap = effective_cap();
   if (reserved + bytes > cap) {

@@ -45,6 +45,10 @@ enum class ReleasePolicy {
 struct PoolOptions {
   std::size_t cap_bytes = 0;  // upper bound on reserved bytes; 0 = the device's memory is the bound
   ReleasePolicy release = ReleasePolicy::kHighWater;
+  // High-water policy only: reserved may exceed the highest reserve so far by this fraction before
+  // cached pages are released. A little slack absorbs step-to-step wobble in where blocks land, which
+  // on a GPU saves a stream synchronisation and an unmap/map round per wobble.
+  double release_slack = 0.005;
   int device = 0;             // only used in messages and to reject frees meant for another device
 };
 
@@ -185,6 +189,7 @@ class Pool {
   AddressMap<Block*> live_;  // allocated and pending blocks by address
   std::deque<PendingFree> pending_;
   std::size_t high_water_ = 0;  // highest reserved bytes so far (not reset by reset_peak_stats)
+  std::size_t live_high_water_ = 0;  // highest active bytes so far (not reset by reset_peak_stats)
   mutable DeviceStats stats_;
   std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap
   std::vector<std::pair<int, OomCallback>> oom_callbacks_;

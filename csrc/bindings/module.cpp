@@ -47,7 +47,7 @@ UpstreamKind parse_kind(const std::string& kind) {
 
 ReleasePolicy parse_release(const std::string& release) {
   if (release == "high_water") return ReleasePolicy::kHighWater;
-  if (release == "never") return ReleasePolicy::kNever;
+  if (release == "lazy") return ReleasePolicy::kLazy;
   throw InvalidArgument("release must be 'high_water' or 'never', got '" + release + "'");
 }
 
@@ -161,7 +161,7 @@ PYBIND11_MODULE(_C, m) {
              o.device = device;
              return std::make_shared<Pool>(std::move(upstream), o);
            }),
-           py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "high_water",
+           py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "lazy",
            py::arg("release_slack") = PoolOptions().release_slack, py::arg("device") = 0)
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream) {

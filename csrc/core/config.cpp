@@ -34,7 +34,7 @@ bool parse_number(const std::string& text, double* out, std::string* rest) {
 }  // namespace
 
 std::string to_string(ReleasePolicy policy) {
-  return policy == ReleasePolicy::kHighWater ? "high_water" : "never";
+  return policy == ReleasePolicy::kHighWater ? "high_water" : "lazy";
 }
 
 std::size_t parse_size(const std::string& text) {
@@ -101,9 +101,9 @@ Config parse_config(const std::string& text, const std::string& source) {
       }
     } else if (key == "release") {
       std::string v = lower(value);
-      if (v == "high_water") config.release = ReleasePolicy::kHighWater;
-      else if (v == "never") config.release = ReleasePolicy::kNever;
-      else bad(key, value, "high_water, never");
+      if (v == "lazy") config.release = ReleasePolicy::kLazy;
+      else if (v == "high_water") config.release = ReleasePolicy::kHighWater;
+      else bad(key, value, "lazy, high_water");
     } else if (key == "release_slack") {
       double f;
       std::string rest;

@@ -1,4 +1,4 @@
-// The configuration string (GPUMEM_CONF), e.g. "upstream:vmm,cap:0.9,release:high_water,page_size:8MiB".
+// The configuration string (GPUMEM_CONF), e.g. "upstream:vmm,cap:0.9,release:lazy,page_size:8MiB".
 // Parsed here, in the core, so that a bad string is rejected the same way with or without a GPU.
 #pragma once
 
@@ -13,7 +13,7 @@ struct Config {
   std::string upstream = "auto";  // auto (vmm where the driver supports it) | vmm | segments
   std::size_t cap_bytes = 0;      // cap as bytes (0 = none) ...
   double cap_fraction = 0.0;      // ... or as a fraction of the device's memory (0 = none)
-  ReleasePolicy release = ReleasePolicy::kHighWater;
+  ReleasePolicy release = PoolOptions().release;
   double release_slack = PoolOptions().release_slack;  // see PoolOptions
   std::size_t page_size = kDefaultPageSize;  // vmm upstream: bytes per physical page (multiple of 2 MiB)
   bool gc_on_oom = true;          // run the registered OOM callbacks (Python: gc.collect) before failing

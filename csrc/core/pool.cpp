@@ -236,8 +236,10 @@ Pool::Region* Pool::add_segment(Arena& arena, std::size_t bytes) {
 }
 
 Pool::Region* Pool::add_paged_region(Arena& arena) {
-  // As much address space as the device has memory: a region never needs a second range.
-  std::size_t bytes = round_up(upstream_->device_total_bytes(), page_size_);
+  // Four times the device's memory in address space (address space costs nothing): a region never
+  // needs a second range, and a large request still finds a contiguous range when free pages from
+  // between live blocks are unmapped and mapped again elsewhere.
+  std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), page_size_);
   std::uintptr_t base = upstream_->reserve_address_range(bytes);
   if (!base) return nullptr;
   auto region = std::make_unique<Region>();

@@ -8,9 +8,12 @@
 //    whose pages are mapped when a block first needs them. Free pages anywhere in it can be unmapped,
 //    so free memory in the middle of a region goes back to the device ("reserved" = mapped pages).
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
-//  - Release policy "high_water": before reserving past the highest reserve so far, the pool first
-//    releases fully free cached pages (or segments). Reserved memory therefore grows only when the
-//    live data itself needs it, which is what keeps peak reserved close to peak live.
+//  - Release policy "lazy" (default): free pages stay cached (mapped) for reuse until trim(), or until
+//    the cap or the device runs short: then fully free pages anywhere, even between live blocks, are
+//    unmapped and mapped again where the request needs them, so fragmentation never causes an OOM.
+//    Policy "high_water" also does this before reserving past the highest live bytes so far (plus a
+//    slack), keeping reserved within a page or two of live; each such release synchronises the
+//    stream, which costs step time on a GPU (README, benchmarks).
 //  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.
@@ -38,13 +41,13 @@
 namespace gpumem {
 
 enum class ReleasePolicy {
-  kHighWater,  // release cached free memory before reserving past the highest reserve so far
-  kNever,      // keep everything cached until trim() or an allocation failure (PyTorch's behaviour)
+  kLazy,       // keep free pages cached until trim() or until the cap / the device runs short
+  kHighWater,  // also release cached pages before reserving past the live high water (+ slack)
 };
 
 struct PoolOptions {
   std::size_t cap_bytes = 0;  // upper bound on reserved bytes; 0 = the device's memory is the bound
-  ReleasePolicy release = ReleasePolicy::kHighWater;
+  ReleasePolicy release = ReleasePolicy::kLazy;
   // High-water policy only: reserved may exceed the highest reserve so far by this fraction before
   // cached pages are released. A little slack absorbs step-to-step wobble in where blocks land, which
   // on a GPU saves a stream synchronisation and an unmap/map round per wobble.

@@ -412,7 +412,7 @@ void* GpumemAllocator::alloc_private(PrivatePool& pp, std::size_t size, cudaStre
           std::lock_guard<std::mutex> lock(pp.mutex);
           // Private pools never give memory back on their own: a graph's memory must stay mapped
           // until the graph is released.
-          if (!pp.pool) pp.pool = make_pool(pp.device, ReleasePolicy::kNever, 0);
+          if (!pp.pool) pp.pool = make_pool(pp.device, ReleasePolicy::kLazy, 0);
           pool = pp.pool.get();
         }
         p = pool->allocate(size, reinterpret_cast<StreamId>(stream));

@@ -11,7 +11,7 @@
 //     blocks carry a deleter that looks the pointer up. raw_delete() (no device given) tries both.
 //   - A free of a pointer gpumem does not own is logged once and ignored: nothing is corrupted.
 // CUDA graph capture:
-//   - Private pools never release memory on their own (release policy "never"); a pool's memory goes
+//   - Private pools never release memory on their own (release policy "lazy"); a pool's memory goes
 //     back only when its use count (beginAllocateToPool / createOrIncrefPool minus releasePool) is 0
 //     and it holds no live block.
 //   - While any capture may be underway, pool calls run in cudaStreamCaptureModeRelaxed (as PyTorch

@@ -16,8 +16,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     traces = args.trace or [str(p) for p in bundled_traces()]
     try:
         capacity = None if args.capacity is None else _C.parse_size(args.capacity)
+        page_size = None if args.page_size is None else _C.parse_size(args.page_size)
     except ValueError as e:
-        print(f"gpumem replay: --capacity: {e}", file=sys.stderr)
+        print(f"gpumem replay: {e}", file=sys.stderr)
         return 2
     refs = reference_ratios()
     reports = []
@@ -26,7 +27,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if progress:
             print(f"{path}:", file=sys.stderr)
         try:
-            reports.append(replay(path, upstream=args.upstream, capacity=capacity, progress=progress))
+            reports.append(replay(path, upstream=args.upstream, capacity=capacity, page_size=page_size,
+                                  release=args.release, progress=progress))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -34,8 +36,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for r in reports:
             print(r.to_json())
         return 0
-    print(f"\ngpumem pool, upstream={args.upstream}, simulated device of "
-          f"{_gib(reports[0].capacity_bytes)} GiB")
+    print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}, simulated device of "
+          f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB")
     header = (f"{'trace':<14} {'peak live GiB':>13} {'peak reserved GiB':>17} {'ratio':>7} "
               f"{'upstream calls':>14} {'ns/pair':>8} {'OOMs':>5} | PyTorch live on H200: native / expandable / async")
     print(header)
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", nargs="*", help="trace files (default: the traces bundled with gpumem)")
     p.add_argument("--upstream", choices=["vmm", "segments"], default="vmm")
     p.add_argument("--capacity", help="simulated device memory, e.g. 80GiB (default 141GiB, an H200)")
+    p.add_argument("--page-size", help="vmm page size, a multiple of 2MiB (default: gpumem's, 8MiB)")
+    p.add_argument("--release", choices=["lazy", "high_water"], default="lazy",
+                   help="release policy (default lazy, gpumem's default)")
     p.add_argument("--json", action="store_true", help="one JSON line per trace")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_replay)

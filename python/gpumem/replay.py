@@ -30,6 +30,8 @@ class ReplayReport:
     trace: str
     workload: str
     upstream: str
+    release: str
+    page_size: int
     capacity_bytes: int
     operations: int
     allocations: int
@@ -60,7 +62,7 @@ def replay(
     upstream: str = "vmm",
     capacity: Optional[int] = None,
     page_size: Optional[int] = None,
-    release: str = "high_water",
+    release: str = "lazy",
     release_slack: Optional[float] = None,
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> ReplayReport:
@@ -81,6 +83,8 @@ def replay(
         trace=str(trace),
         workload=loaded.workload or Path(trace).name.split(".")[0],
         upstream=upstream,
+        release=release,
+        page_size=page_size,
         capacity_bytes=capacity,
         operations=loaded.operations,
         allocations=loaded.allocations,

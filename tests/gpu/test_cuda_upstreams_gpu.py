@@ -37,7 +37,7 @@ def test_allocate_write_read_free_and_trim_returns_memory(torch_cuda, kind):
     if kind == "vmm" and not _C.cuda_vmm_supported(0):
         pytest.skip("device without virtual memory management")
     upstream = _C.cuda_upstream(kind, 0)
-    pool = _C.Pool(upstream, release="never")
+    pool = _C.Pool(upstream, release="lazy")
     # Load the kernels the checks use first: module loading takes device memory the pool never sees.
     warm = torch.ones(1024, device="cuda")
     assert torch.all(warm.fill_(2.0) == 2.0).item()
@@ -73,7 +73,7 @@ def test_vmm_returns_a_free_page_between_live_blocks(torch_cuda):
     if not _C.cuda_vmm_supported(0):
         pytest.skip("device without virtual memory management")
     upstream = _C.cuda_upstream("vmm", 0)
-    pool = _C.Pool(upstream, release="never")
+    pool = _C.Pool(upstream, release="lazy")
     a, b, c = (pool.allocate(128 * MiB) for _ in range(3))
     view(a, 128 * MiB).fill_(1.0)
     view(c, 128 * MiB).fill_(3.0)

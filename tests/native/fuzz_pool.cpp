@@ -283,7 +283,7 @@ class Harness {
   explicit Harness(Reader& in) : in_(in) {
     std::uint8_t b0 = in.u8(), b1 = in.u8(), b2 = in.u8();
     kind_ = (b0 & 1) ? UpstreamKind::kSegments : UpstreamKind::kPages;
-    release_ = (b0 & 2) ? ReleasePolicy::kNever : ReleasePolicy::kHighWater;
+    release_ = (b0 & 2) ? ReleasePolicy::kLazy : ReleasePolicy::kHighWater;
     static const std::size_t kPageSizes[4] = {2 * MiB, 64 * KiB, 4 * KiB, 2 * MiB};
     page_ = kPageSizes[(b0 >> 2) & 3];
     capacity_ = round_up((2 + b1 % 127) * MiB, page_);
@@ -301,7 +301,7 @@ class Harness {
     pool_->add_oom_callback([this] { on_oom(); });
     describe("setup kind=%s release=%s page=%zu capacity=%zu cap=%zu auto_complete=%d",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
-             release_ == ReleasePolicy::kNever ? "never" : "high_water", page_, capacity_, cap_,
+             release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, capacity_, cap_,
              int(dev_->auto_complete()));
     check_state();
   }

@@ -322,7 +322,7 @@ TEST(oom_carries_the_figures) {
 
 TEST(oom_releases_cache_of_other_streams_then_succeeds) {
   for (UpstreamKind kind : kKinds) {
-    Setup s(kind, 64 * MiB, 0, ReleasePolicy::kNever);
+    Setup s(kind, 64 * MiB, 0, ReleasePolicy::kLazy);
     std::uintptr_t a = s.pool->allocate(40 << 20, 1);
     s.pool->free(a);  // cached on stream 1
     std::uintptr_t b = s.pool->allocate(40 << 20, 2);  // must release stream 1's cache to fit
@@ -514,7 +514,7 @@ TEST(fail_unmap_in_trim_keeps_pages_accounted) {
 // allocation releases cache to make room must leave the block it had taken back in the free set.
 TEST(fail_unmap_during_allocate_leaves_pool_consistent) {
   for (UpstreamKind kind : kKinds) {
-    Setup s(kind, 64 * MiB, 0, ReleasePolicy::kNever);
+    Setup s(kind, 64 * MiB, 0, ReleasePolicy::kLazy);
     std::uintptr_t a = s.pool->allocate(40 << 20, 1);
     s.pool->free(a);  // 40 MiB cached on stream 1
     std::uintptr_t keep = s.pool->allocate(4096, 2);

@@ -87,6 +87,13 @@ def test_missing_file_and_bad_capacity_are_clear(tmp_path):
     assert r.returncode == 1 and "no such trace file" in r.stderr
     r = run_cli("replay", "--capacity", "lots")
     assert r.returncode == 2 and "not a size" in r.stderr
+    r = run_cli("replay", "--page-size", "3MiB")
+    assert r.returncode == 2 and "not a multiple of 2MiB" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_odd_page_sizes_work_on_the_simulated_device():
+    report = gpumem.replay(bundled_traces()[1], page_size=3 << 20)
+    assert report.ooms == 0 and report.fragmentation >= 1.0
 
 
 def test_truncated_gzip_is_reported(tmp_path):

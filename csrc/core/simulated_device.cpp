@@ -70,8 +70,8 @@ void SimulatedDevice::free_segment(std::uintptr_t address, std::size_t bytes) {
 std::uintptr_t SimulatedDevice::reserve_address_range(std::size_t bytes) {
   if (kind_ != UpstreamKind::kPages) return Upstream::reserve_address_range(bytes);
   bytes = round_up(bytes, page_size_);
-  std::uintptr_t address = next_address_;
-  next_address_ += bytes + page_size_;  // a guard gap, so neighbouring ranges never touch
+  std::uintptr_t address = round_up(next_address_, page_size_);  // ranges start on a page, as on CUDA
+  next_address_ = address + bytes + page_size_;  // a guard gap, so neighbouring ranges never touch
   ranges_[address] = Range{bytes, std::vector<std::uint8_t>(bytes / page_size_, 0)};
   return address;
 }

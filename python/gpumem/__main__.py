@@ -17,6 +17,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         capacity = None if args.capacity is None else _C.parse_size(args.capacity)
         page_size = None if args.page_size is None else _C.parse_size(args.page_size)
+        if page_size is not None and (page_size == 0 or page_size % (2 << 20)):
+            raise ValueError(f"--page-size {args.page_size} is not a multiple of 2MiB (CUDA's granularity)")
     except ValueError as e:
         print(f"gpumem replay: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpumem-out}
 mkdir -p "$OUT"
+# Notebook tests need IPython/ipykernel/nbclient; carried as wheels in .whl where the machine lacks them.
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 grep -h "gpumem:" build/*/CMakeFiles/CMakeOutput.log 2>/dev/null | head -3
 python3 -c "import gpumem; print(gpumem.status_line())"

@@ -29,20 +29,19 @@ __version__ = "0.1.0"
 _torch.install()
 from ._torch import is_active, pool, stats, status_line  # noqa: E402
 
-# Parts that need torch (or IPython) are imported when first used, so `import gpumem` stays cheap
-# and works without them.
+# These import torch only inside their functions. Imported here so that `gpumem.cleanup` is the
+# function even after some module has imported the `gpumem.cleanup` submodule.
+from .cleanup import CleanupReport, cleanup  # noqa: E402
+from .ipython_ext import load_ipython_extension, unload_ipython_extension  # noqa: E402
+from .timeline import Timeline, record  # noqa: E402
+from .views import plot, summary  # noqa: E402
+
+# The batch-size probe imports torch at module level: imported when first used, so `import gpumem`
+# works without torch.
 _LAZY = {
     "find_batch_size": "batch_size",
     "BatchSizeResult": "batch_size",
     "BatchSizeError": "batch_size",
-    "cleanup": "cleanup",
-    "CleanupReport": "cleanup",
-    "summary": "views",
-    "plot": "views",
-    "Timeline": "timeline",
-    "record": "timeline",
-    "load_ipython_extension": "ipython_ext",
-    "unload_ipython_extension": "ipython_ext",
 }
 
 
@@ -62,4 +61,5 @@ def __dir__() -> list:
 
 
 __all__ = ["OutOfMemoryError", "Pool", "SimulatedDevice", "parse_config", "replay", "is_active", "pool",
-           "stats", "status_line", *_LAZY]
+           "stats", "status_line", "cleanup", "CleanupReport", "summary", "plot", "Timeline", "record",
+           "load_ipython_extension", "unload_ipython_extension", *_LAZY]

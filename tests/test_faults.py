@@ -180,7 +180,7 @@ def test_fault_in_the_middle_of_growing_a_multi_page_block():
     """A 6 MiB block over pages p0..p2 where only p1 is mapped needs two map calls; the second fails.
     The pool releases what it mapped, retries, and the caller never sees the fault."""
     dev = _C.SimulatedDevice("vmm", 256 * MiB, 2 * MiB)
-    pool = _C.Pool(dev)
+    pool = _C.Pool(dev, page_size=2 * MiB)  # the layout below is drawn in 2 MiB pages
     # Memory calls 1-4 map p0..p3; the block's two runs are calls 5 and 6: the 6th call fails.
     dev.set_fault_plan(fail_every=6)
     a, b, c, d = (pool.allocate(2 * MiB) for _ in range(4))

@@ -194,7 +194,7 @@ def test_block_freed_on_a_stream_is_reused_at_once_there_but_not_on_another_unti
 
 def test_vmm_returns_free_pages_in_the_middle():
     device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
-    pool = _C.Pool(device, release="lazy")
+    pool = _C.Pool(device, release="lazy", page_size=2 * MiB)
     a = pool.allocate(100 * MiB)
     b = pool.allocate(100 * MiB)
     c = pool.allocate(100 * MiB)
@@ -212,7 +212,7 @@ def test_vmm_returns_free_pages_in_the_middle():
 
 def test_high_water_policy_reuses_cached_pages_instead_of_growing():
     device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
-    pool = _C.Pool(device, release="high_water")
+    pool = _C.Pool(device, release="high_water", page_size=2 * MiB)
     keep = pool.allocate(300 * MiB)
     big = pool.allocate(600 * MiB)
     tail = pool.allocate(300 * MiB)
@@ -231,7 +231,7 @@ def test_high_water_policy_reuses_cached_pages_instead_of_growing():
 def test_lazy_policy_keeps_the_cache_until_memory_runs_short_then_unmaps_holes():
     # 1 GiB device: the hole between two live blocks is cached until a request needs the memory.
     device = _C.SimulatedDevice("vmm", 1 * GiB, 2 * MiB)
-    pool = _C.Pool(device, release="lazy")
+    pool = _C.Pool(device, release="lazy", page_size=2 * MiB)
     keep = pool.allocate(300 * MiB)
     big = pool.allocate(400 * MiB)
     tail = pool.allocate(200 * MiB)

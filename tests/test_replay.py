@@ -91,9 +91,13 @@ def test_missing_file_and_bad_capacity_are_clear(tmp_path):
     assert r.returncode == 2 and "not a multiple of 2MiB" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_odd_page_sizes_work_on_the_simulated_device():
-    report = gpumem.replay(bundled_traces()[1], page_size=3 << 20)
-    assert report.ooms == 0 and report.fragmentation >= 1.0
+def test_page_sizes_change_the_trade_off_and_bad_ones_are_refused():
+    small = gpumem.replay(bundled_traces()[1], page_size=2 << 20)
+    large = gpumem.replay(bundled_traces()[1], page_size=32 << 20)
+    assert small.ooms == large.ooms == 0
+    assert small.upstream_calls > large.upstream_calls  # bigger pages: fewer driver calls
+    with pytest.raises(ValueError, match="not a multiple of the device's 2.00 MiB granularity"):
+        gpumem.replay(bundled_traces()[1], page_size=3 << 20)
 
 
 def test_truncated_gzip_is_reported(tmp_path):

@@ -125,7 +125,7 @@ PYBIND11_MODULE(_C, m) {
                                                       to_size(page_size, "page_size"));
            }),
            py::arg("kind") = "vmm", py::arg("capacity") = py::int_(80ull * GiB),
-           py::arg("page_size") = py::int_(kDefaultPageSize),
+           py::arg("page_size") = py::int_(2 * MiB),
            "A device in host memory: fake addresses, a capacity and a page size (kind 'vmm' or 'segments').")
       .def("set_auto_complete", &SimulatedDevice::set_auto_complete, py::arg("on"))
       .def("complete", &SimulatedDevice::complete, py::arg("stream"),
@@ -145,24 +145,26 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_vmm_supported", &cuda_vmm_supported, py::arg("device") = 0);
   m.def("cuda_upstream",
-        [](const std::string& kind, int device, const py::int_& page_size) {
-          return make_cuda_upstream(parse_kind(kind), device, to_size(page_size, "page_size"));
-        },
-        py::arg("kind") = "vmm", py::arg("device") = 0, py::arg("page_size") = py::int_(kDefaultPageSize),
+        [](const std::string& kind, int device) { return make_cuda_upstream(parse_kind(kind), device); },
+        py::arg("kind") = "vmm", py::arg("device") = 0,
         "A CUDA upstream: 'vmm' (virtual memory pages) or 'segments' (cuMemAlloc).");
 
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
-                       double release_slack, int device) {
+                       double release_slack, const py::int_& page_size, int device) {
              PoolOptions o;
              o.cap_bytes = to_size(cap, "cap");
              o.release = parse_release(release);
              o.release_slack = release_slack;
+             o.large_page_bytes = to_size(page_size, "page_size");
              o.device = device;
              return std::make_shared<Pool>(std::move(upstream), o);
            }),
            py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "lazy",
-           py::arg("release_slack") = PoolOptions().release_slack, py::arg("device") = 0)
+           py::arg("release_slack") = PoolOptions().release_slack,
+           py::arg("page_size") = py::int_(kDefaultPageSize), py::arg("device") = 0,
+           "A pool over `upstream`. page_size: bytes per page of large arenas on a paged upstream "
+           "(a multiple of its granularity; small arenas use the granularity).")
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream) {
              std::size_t bytes = to_size(size, "size");

@@ -172,14 +172,14 @@ class CudaSegmentUpstream : public CudaUpstreamBase {
 // Virtual memory: one physical allocation (handle) per page, so any single page can go back.
 class CudaVmmUpstream : public CudaUpstreamBase {
  public:
-  CudaVmmUpstream(int device, std::size_t page_size) : CudaUpstreamBase(device) {
+  explicit CudaVmmUpstream(int device) : CudaUpstreamBase(device) {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop_.location.id = device;
     std::size_t granularity = 0;
     check(driver().cuMemGetAllocationGranularity(&granularity, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
           "cuMemGetAllocationGranularity");
-    page_ = round_up(std::max(page_size, granularity), granularity);
+    page_ = std::max<std::size_t>(2 * MiB, granularity);
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
@@ -200,15 +200,15 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     check(driver().cuMemAddressFree(static_cast<CUdeviceptr>(address), bytes), "cuMemAddressFree");
   }
 
-  bool map(std::uintptr_t address, std::size_t bytes) override {
+  bool map(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
     ContextScope scope(context_);
     std::vector<std::uintptr_t> done;
     auto undo = [&] {
       for (std::uintptr_t a : done) unmap_page(a);
     };
-    for (std::uintptr_t a = address; a < address + bytes; a += page_) {
+    for (std::uintptr_t a = address; a < address + bytes; a += page) {
       CUmemGenericAllocationHandle handle;
-      CUresult r = driver().cuMemCreate(&handle, page_, &prop_, 0);
+      CUresult r = driver().cuMemCreate(&handle, page, &prop_, 0);
       if (r == CUDA_ERROR_OUT_OF_MEMORY) {
         undo();
         return false;
@@ -217,14 +217,14 @@ class CudaVmmUpstream : public CudaUpstreamBase {
         undo();
         fail(r, "cuMemCreate");
       }
-      r = driver().cuMemMap(static_cast<CUdeviceptr>(a), page_, 0, handle, 0);
+      r = driver().cuMemMap(static_cast<CUdeviceptr>(a), page, 0, handle, 0);
       if (r != CUDA_SUCCESS) {
         driver().cuMemRelease(handle);
         undo();
         if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
         fail(r, "cuMemMap");
       }
-      handles_[a] = handle;
+      handles_[a] = Mapping{handle, page};
       done.push_back(a);
     }
     CUresult r = driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access_, 1);
@@ -236,24 +236,28 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     return true;
   }
 
-  void unmap(std::uintptr_t address, std::size_t bytes) override {
+  void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
     ContextScope scope(context_);
-    for (std::uintptr_t a = address; a < address + bytes; a += page_) unmap_page(a);
+    for (std::uintptr_t a = address; a < address + bytes; a += page) unmap_page(a);
   }
 
  private:
   void unmap_page(std::uintptr_t a) {
     auto it = handles_.find(a);
     if (it == handles_.end()) throw UpstreamError("gpumem: unmap of a page that gpumem never mapped");
-    check(driver().cuMemUnmap(static_cast<CUdeviceptr>(a), page_), "cuMemUnmap");
-    check(driver().cuMemRelease(it->second), "cuMemRelease");
+    check(driver().cuMemUnmap(static_cast<CUdeviceptr>(a), it->second.bytes), "cuMemUnmap");
+    check(driver().cuMemRelease(it->second.handle), "cuMemRelease");
     handles_.erase(it);
   }
 
   CUmemAllocationProp prop_ = {};
   CUmemAccessDesc access_ = {};
   std::size_t page_ = 2 * MiB;
-  std::unordered_map<std::uintptr_t, CUmemGenericAllocationHandle> handles_;
+  struct Mapping {
+    CUmemGenericAllocationHandle handle;
+    std::size_t bytes;
+  };
+  std::unordered_map<std::uintptr_t, Mapping> handles_;  // by page address
 };
 
 }  // namespace
@@ -280,12 +284,12 @@ bool cuda_vmm_supported(int device) {
   return supported != 0;
 }
 
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device, std::size_t page_size) {
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device) {
   if (kind == UpstreamKind::kPages) {
     if (!cuda_vmm_supported(device))
       throw UpstreamError("gpumem: CUDA device " + std::to_string(device) +
                           " does not support virtual memory management; use upstream:segments");
-    return std::make_shared<CudaVmmUpstream>(device, page_size);
+    return std::make_shared<CudaVmmUpstream>(device);
   }
   return std::make_shared<CudaSegmentUpstream>(device);
 }
@@ -299,7 +303,7 @@ bool cuda_upstreams_built() { return false; }
 bool cuda_available() { return false; }
 int cuda_device_count() { return 0; }
 bool cuda_vmm_supported(int) { return false; }
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int, std::size_t) {
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int) {
   throw UpstreamError("gpumem was built without the CUDA toolkit headers: rebuild with CUDA available");
 }
 }  // namespace gpumem

@@ -17,8 +17,6 @@ int cuda_device_count();
 // True when `device` supports virtual memory management (cuMemCreate & co). Never throws.
 bool cuda_vmm_supported(int device);
 // @throws UpstreamError when there is no driver/device, InvalidArgument for a bad device ordinal.
-// `page_size` (vmm only): bytes per physical allocation, rounded up to the driver's granularity.
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device,
-                                             std::size_t page_size = kDefaultPageSize);
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device);
 
 }  // namespace gpumem

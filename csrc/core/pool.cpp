@@ -15,6 +15,12 @@ Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
   page_size_ = upstream_->page_size();
   if (page_size_ == 0 || page_size_ % kAlignment != 0)
     throw InvalidArgument("upstream page size must be a positive multiple of 512");
+  // Small arenas map the upstream's own granularity (2 MiB on CUDA), large arenas larger pages.
+  small_page_ = page_size_;
+  large_page_ = options_.large_page_bytes ? options_.large_page_bytes : page_size_;
+  if (large_page_ % page_size_ != 0)
+    throw InvalidArgument("page size " + format_bytes(large_page_) + " is not a multiple of the device's " +
+                          format_bytes(page_size_) + " granularity");
   if (!(options_.release_slack >= 0 && options_.release_slack <= 1))
     throw InvalidArgument("release_slack must be in [0, 1], got " + std::to_string(options_.release_slack));
   if (options_.cap_bytes && options_.cap_bytes < page_size_)
@@ -31,7 +37,8 @@ Pool::~Pool() {
       try {
         if (region->paged) {
           for (std::size_t p = 0; p < region->page_mapped.size(); ++p)
-            if (region->page_mapped[p]) upstream_->unmap(region->base + p * page_size_, page_size_);
+            if (region->page_mapped[p])
+              upstream_->unmap(region->base + p * region->page, region->page, region->page);
           upstream_->release_address_range(region->base, region->size);
         } else {
           upstream_->free_segment(region->base, region->size);
@@ -239,7 +246,8 @@ Pool::Region* Pool::add_paged_region(Arena& arena) {
   // Four times the device's memory in address space (address space costs nothing): a region never
   // needs a second range, and a large request still finds a contiguous range when free pages from
   // between live blocks are unmapped and mapped again elsewhere.
-  std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), page_size_);
+  const std::size_t page = arena.small ? small_page_ : large_page_;
+  std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), page);
   std::uintptr_t base = upstream_->reserve_address_range(bytes);
   if (!base) return nullptr;
   auto region = std::make_unique<Region>();
@@ -247,7 +255,8 @@ Pool::Region* Pool::add_paged_region(Arena& arena) {
   region->size = bytes;
   region->arena = &arena;
   region->paged = true;
-  region->page_mapped.assign(bytes / page_size_, 0);
+  region->page = page;
+  region->page_mapped.assign(bytes / page, 0);
   Block* b = new_block();
   b->address = base;
   b->size = bytes;
@@ -263,12 +272,12 @@ Pool::Region* Pool::add_paged_region(Arena& arena) {
 // mapped and accounted as reserved; the caller returns the block to the free set.
 bool Pool::ensure_mapped(Block* block) {
   Region* region = block->region;
-  std::size_t first = (block->address - region->base) / page_size_;
-  std::size_t last = (block->address + block->size - 1 - region->base) / page_size_;
+  std::size_t first = (block->address - region->base) / region->page;
+  std::size_t last = (block->address + block->size - 1 - region->base) / region->page;
   std::size_t missing = 0;
   for (std::size_t p = first; p <= last; ++p) missing += !region->page_mapped[p];
   if (missing == 0) return true;
-  if (!make_room(missing * page_size_)) return false;
+  if (!make_room(missing * region->page)) return false;
   for (std::size_t p = first; p <= last;) {
     if (region->page_mapped[p]) {
       ++p;
@@ -276,8 +285,8 @@ bool Pool::ensure_mapped(Block* block) {
     }
     std::size_t run_end = p;
     while (run_end <= last && !region->page_mapped[run_end]) ++run_end;
-    std::size_t bytes = (run_end - p) * page_size_;
-    if (!upstream_->map(region->base + p * page_size_, bytes)) return false;
+    std::size_t bytes = (run_end - p) * region->page;
+    if (!upstream_->map(region->base + p * region->page, bytes, region->page)) return false;
     stats_.num_device_alloc++;
     std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 1);
     region->mapped_limit = std::max(region->mapped_limit, run_end);
@@ -434,8 +443,8 @@ void Pool::process_events() {
 // Unmaps the whole pages inside a free block, up to `target` bytes. Returns the bytes unmapped.
 std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
   Region* region = block->region;
-  std::size_t first = (block->address - region->base + page_size_ - 1) / page_size_;
-  std::size_t end = std::min((block->address + block->size - region->base) / page_size_,
+  std::size_t first = (block->address - region->base + region->page - 1) / region->page;
+  std::size_t end = std::min((block->address + block->size - region->base) / region->page,
                              region->mapped_limit);
   std::size_t released = 0;
   bool synced = false;
@@ -446,7 +455,7 @@ std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
     }
     std::size_t run_end = p;
     while (run_end < end && region->page_mapped[run_end] &&
-           released + (run_end - p) * page_size_ < target)
+           released + (run_end - p) * region->page < target)
       ++run_end;
     if (!synced) {
       // The block's last user may still be running on its stream: wait before the memory goes back.
@@ -454,8 +463,8 @@ std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
       stats_.num_sync_all_streams++;
       synced = true;
     }
-    std::size_t bytes = (run_end - p) * page_size_;
-    upstream_->unmap(region->base + p * page_size_, bytes);  // throws: pages stay mapped, accounted
+    std::size_t bytes = (run_end - p) * region->page;
+    upstream_->unmap(region->base + p * region->page, bytes, region->page);  // throws: pages stay mapped, accounted
     stats_.num_device_free++;
     std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 0);
     add_reserved(region, -static_cast<std::int64_t>(bytes));
@@ -487,7 +496,7 @@ std::size_t Pool::release_cached_units(std::size_t target) {
     if (upstream_->kind() == UpstreamKind::kPages) {
       std::vector<Block*> candidates;
       for (auto it = arena.free_blocks.rbegin(); it != arena.free_blocks.rend(); ++it) {
-        if ((*it)->size < page_size_) break;
+        if ((*it)->size < (*it)->region->page) break;
         candidates.push_back(*it);
       }
       for (Block* b : candidates) {
@@ -565,14 +574,14 @@ DeviceStats Pool::stats() const {
       std::size_t backed = b->size;
       if (b->region->paged) {
         backed = 0;
-        std::size_t first = (b->address - b->region->base) / page_size_;
-        std::size_t last = (b->address + b->size - 1 - b->region->base) / page_size_;
+        std::size_t first = (b->address - b->region->base) / b->region->page;
+        std::size_t last = (b->address + b->size - 1 - b->region->base) / b->region->page;
         last = std::min(last + 1, b->region->mapped_limit);
         for (std::size_t p = first; p < last; ++p) {
           if (!b->region->page_mapped[p]) continue;
-          std::uintptr_t lo = std::max<std::uintptr_t>(b->address, b->region->base + p * page_size_);
+          std::uintptr_t lo = std::max<std::uintptr_t>(b->address, b->region->base + p * b->region->page);
           std::uintptr_t hi = std::min<std::uintptr_t>(b->address + b->size,
-                                                       b->region->base + (p + 1) * page_size_);
+                                                       b->region->base + (p + 1) * b->region->page);
           backed += hi - lo;
         }
         if (backed == 0) continue;
@@ -622,10 +631,10 @@ std::size_t Pool::largest_free_block_locked() const {
       // Longest mapped run inside the block.
       std::uintptr_t run_start = b->address;
       std::uintptr_t end = std::min<std::uintptr_t>(
-          b->address + b->size, b->region->base + b->region->mapped_limit * page_size_);
+          b->address + b->size, b->region->base + b->region->mapped_limit * b->region->page);
       for (std::uintptr_t a = b->address; a < end;) {
-        std::size_t p = (a - b->region->base) / page_size_;
-        std::uintptr_t page_end = std::min<std::uintptr_t>(end, b->region->base + (p + 1) * page_size_);
+        std::size_t p = (a - b->region->base) / b->region->page;
+        std::uintptr_t page_end = std::min<std::uintptr_t>(end, b->region->base + (p + 1) * b->region->page);
         if (!b->region->page_mapped[p]) run_start = page_end;
         else best = std::max<std::size_t>(best, page_end - run_start);
         a = page_end;
@@ -654,7 +663,7 @@ std::vector<RegionInfo> Pool::snapshot() const {
         // Report only the span that holds memory, so a viewer does not draw the whole address range.
         std::size_t last_page = region->page_mapped.size();
         while (last_page > 0 && !region->page_mapped[last_page - 1]) --last_page;
-        std::uintptr_t end = region->base + last_page * page_size_;
+        std::uintptr_t end = region->base + last_page * region->page;
         info.size = end - region->base;
         std::vector<BlockInfo> clipped;
         for (auto& b : info.blocks) {
@@ -715,7 +724,7 @@ void Pool::validate() const {
       std::uintptr_t expect = region->base;
       std::size_t region_reserved = 0;
       if (region->paged) {
-        for (auto m : region->page_mapped) region_reserved += m ? page_size_ : 0;
+        for (auto m : region->page_mapped) region_reserved += m ? region->page : 0;
       } else {
         region_reserved = region->size;
       }
@@ -752,8 +761,8 @@ void Pool::validate() const {
             fail("pending block without events");
           }
           if (region->paged) {
-            std::size_t first = (b->address - region->base) / page_size_;
-            std::size_t last = (b->address + b->size - 1 - region->base) / page_size_;
+            std::size_t first = (b->address - region->base) / region->page;
+            std::size_t last = (b->address + b->size - 1 - region->base) / region->page;
             for (std::size_t p = first; p <= last; ++p)
               if (!region->page_mapped[p]) fail("live block on an unmapped page");
           }

@@ -52,6 +52,9 @@ struct PoolOptions {
   // cached pages are released. A little slack absorbs step-to-step wobble in where blocks land, which
   // on a GPU saves a stream synchronisation and an unmap/map round per wobble.
   double release_slack = 0.005;
+  // Paged upstreams: bytes per page of the large arenas (a multiple of the upstream's granularity;
+  // 0 = the granularity). Small arenas always use the granularity.
+  std::size_t large_page_bytes = kDefaultPageSize;
   int device = 0;             // only used in messages and to reject frees meant for another device
 };
 
@@ -144,6 +147,7 @@ class Pool {
     std::size_t size = 0;
     Arena* arena = nullptr;
     bool paged = false;
+    std::size_t page = 0;                   // paged regions: bytes per page (one physical allocation)
     std::vector<std::uint8_t> page_mapped;  // paged regions: one flag per page
     std::size_t reserved = 0;               // bytes backed by device memory
     std::size_t mapped_limit = 0;           // no page at or past this index has ever been mapped
@@ -185,7 +189,9 @@ class Pool {
 
   std::shared_ptr<Upstream> upstream_;
   PoolOptions options_;
-  std::size_t page_size_;
+  std::size_t page_size_;   // the upstream's granularity (segment sizes round to it)
+  std::size_t small_page_;  // page of the small arenas' regions
+  std::size_t large_page_;  // page of the large arenas' regions
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<Arena>> arenas_;
   Arena* last_arena_[2] = {nullptr, nullptr};  // last arena used, large [0] and small [1]

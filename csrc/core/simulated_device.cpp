@@ -97,8 +97,10 @@ std::vector<std::uint8_t>& SimulatedDevice::pages_of(std::uintptr_t address, std
   return it->second.mapped;
 }
 
-bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes) {
-  if (kind_ != UpstreamKind::kPages) return Upstream::map(address, bytes);
+bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes, std::size_t page) {
+  if (kind_ != UpstreamKind::kPages) return Upstream::map(address, bytes, page);
+  if (page == 0 || page % page_size_ || bytes % page)
+    throw std::logic_error("simulated device: map with a page that does not divide the range");
   std::size_t first;
   auto& mapped = pages_of(address, bytes, &first);
   for (std::size_t p = first; p < first + bytes / page_size_; ++p)
@@ -109,7 +111,9 @@ bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes) {
   return true;
 }
 
-void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes) {
+void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) {
+  if (page == 0 || page % page_size_ || bytes % page)
+    throw std::logic_error("simulated device: unmap with a page that does not divide the range");
   std::size_t first;
   auto& mapped = pages_of(address, bytes, &first);
   for (std::size_t p = first; p < first + bytes / page_size_; ++p)

@@ -35,8 +35,8 @@ class SimulatedDevice : public Upstream {
   void free_segment(std::uintptr_t address, std::size_t bytes) override;
   std::uintptr_t reserve_address_range(std::size_t bytes) override;
   void release_address_range(std::uintptr_t address, std::size_t bytes) override;
-  bool map(std::uintptr_t address, std::size_t bytes) override;
-  void unmap(std::uintptr_t address, std::size_t bytes) override;
+  bool map(std::uintptr_t address, std::size_t bytes, std::size_t page) override;
+  void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override;
 
   EventId record_event(StreamId stream) override;
   bool event_completed(EventId event) override;

@@ -13,7 +13,7 @@ std::uintptr_t Upstream::allocate_segment(std::size_t) { wrong_kind(*this, "allo
 void Upstream::free_segment(std::uintptr_t, std::size_t) { wrong_kind(*this, "free_segment"); }
 std::uintptr_t Upstream::reserve_address_range(std::size_t) { wrong_kind(*this, "reserve_address_range"); return 0; }
 void Upstream::release_address_range(std::uintptr_t, std::size_t) { wrong_kind(*this, "release_address_range"); }
-bool Upstream::map(std::uintptr_t, std::size_t) { wrong_kind(*this, "map"); return false; }
-void Upstream::unmap(std::uintptr_t, std::size_t) { wrong_kind(*this, "unmap"); }
+bool Upstream::map(std::uintptr_t, std::size_t, std::size_t) { wrong_kind(*this, "map"); return false; }
+void Upstream::unmap(std::uintptr_t, std::size_t, std::size_t) { wrong_kind(*this, "unmap"); }
 
 }  // namespace gpumem

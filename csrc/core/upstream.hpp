@@ -22,7 +22,7 @@ class Upstream {
 
   virtual UpstreamKind kind() const = 0;
   virtual std::string name() const = 0;
-  // Granularity of every size passed to allocate_segment / map (2 MiB on CUDA).
+  // Granularity of every address and size passed to allocate_segment / map / unmap (2 MiB on CUDA).
   virtual std::size_t page_size() const = 0;
   virtual std::size_t device_total_bytes() const = 0;
   virtual std::size_t device_free_bytes() const = 0;
@@ -34,9 +34,11 @@ class Upstream {
   // kPages: reserve address space only (no memory); returns 0 when none is left.
   virtual std::uintptr_t reserve_address_range(std::size_t bytes);
   virtual void release_address_range(std::uintptr_t address, std::size_t bytes);
-  // Back [address, address + bytes) with memory; false (and nothing mapped) when the device has no room.
-  virtual bool map(std::uintptr_t address, std::size_t bytes);
-  virtual void unmap(std::uintptr_t address, std::size_t bytes);
+  // Back [address, address + bytes) with memory, one physical allocation per `page` bytes (a multiple
+  // of page_size()); false (and nothing mapped) when the device has no room. unmap() takes the same
+  // page as the map() that mapped the range.
+  virtual bool map(std::uintptr_t address, std::size_t bytes, std::size_t page);
+  virtual void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page);
 
   // Streams and events. An event marks the work queued on a stream so far.
   virtual EventId record_event(StreamId stream) = 0;

@@ -241,10 +241,11 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, ReleasePolicy relea
   } else {
     kind = cuda_vmm_supported(device) ? UpstreamKind::kPages : UpstreamKind::kSegments;
   }
-  std::shared_ptr<Upstream> upstream = make_cuda_upstream(kind, device, cfg.page_size);
+  std::shared_ptr<Upstream> upstream = make_cuda_upstream(kind, device);
   PoolOptions options;
   options.release = release;
   options.release_slack = cfg.release_slack;
+  options.large_page_bytes = cfg.page_size;
   options.device = device;
   options.cap_bytes = cap_bytes;
   return std::make_unique<Pool>(std::move(upstream), options);

@@ -69,15 +69,16 @@ def replay(
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
     ``upstream`` is ``"vmm"`` (pages mapped on demand, gpumem's default) or ``"segments"``
-    (cudaMalloc-style regions); ``capacity`` is the simulated device's memory in bytes.
+    (cudaMalloc-style regions); ``capacity`` is the simulated device's memory in bytes; ``page_size``
+    the bytes per page of large arenas (a multiple of 2 MiB; small arenas use 2 MiB pages).
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
     page_size = _C.DEFAULT_PAGE_SIZE if page_size is None else page_size
     loaded = _load(Path(trace))
-    device = _C.SimulatedDevice(upstream, capacity, page_size)
-    pool = (_C.Pool(device, release=release) if release_slack is None
-            else _C.Pool(device, release=release, release_slack=release_slack))
+    device = _C.SimulatedDevice(upstream, capacity)  # CUDA's 2 MiB granularity
+    options = {} if release_slack is None else {"release_slack": release_slack}
+    pool = _C.Pool(device, release=release, page_size=page_size, **options)
     result = _C.replay(loaded, pool, progress)
     return ReplayReport(
         trace=str(trace),

@@ -124,19 +124,27 @@ class CheckedDevice : public Upstream {
     segments_.erase(address);
   }
   std::uintptr_t reserve_address_range(std::size_t bytes) override {
-    return sim_->reserve_address_range(bytes);
+    std::uintptr_t a = sim_->reserve_address_range(bytes);
+    if (a) range_bytes_[a] = bytes;
+    return a;
+  }
+  // The size of the address range the pool reserved at `base` (a paged region's size).
+  std::size_t range_bytes(std::uintptr_t base) const {
+    auto it = range_bytes_.find(base);
+    REQUIRE(it != range_bytes_.end(), "a paged region the pool never reserved");
+    return it->second;
   }
   void release_address_range(std::uintptr_t address, std::size_t bytes) override {
     sim_->release_address_range(address, bytes);
   }
-  bool map(std::uintptr_t address, std::size_t bytes) override {
-    if (!sim_->map(address, bytes)) return false;
+  bool map(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
+    if (!sim_->map(address, bytes, page)) return false;
     for (std::size_t off = 0; off < bytes; off += page_size()) mapped_.insert(address + off);
     return true;
   }
-  void unmap(std::uintptr_t address, std::size_t bytes) override {
+  void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
     check_release(address, bytes, "unmap");
-    sim_->unmap(address, bytes);
+    sim_->unmap(address, bytes, page);
     for (std::size_t off = 0; off < bytes; off += page_size()) mapped_.erase(address + off);
   }
 
@@ -247,6 +255,7 @@ class CheckedDevice : public Upstream {
   std::vector<Unsynced> unsynced_;
   std::set<std::uintptr_t> mapped_;                 // page addresses
   std::map<std::uintptr_t, std::size_t> segments_;  // address -> bytes
+  std::map<std::uintptr_t, std::size_t> range_bytes_;  // reserved address ranges: base -> bytes
   std::unordered_map<StreamId, std::uint64_t> queued_, completed_;
   std::unordered_map<EventId, std::pair<StreamId, std::uint64_t>> events_;
   bool auto_complete_ = true;
@@ -297,6 +306,7 @@ class Harness {
     PoolOptions o;
     o.cap_bytes = cap_;
     o.release = release_;
+    o.large_page_bytes = page_;  // the OOM-justification model counts pages of one size
     pool_ = std::make_unique<Pool>(dev_, o);
     pool_->add_oom_callback([this] { on_oom(); });
     describe("setup kind=%s release=%s page=%zu capacity=%zu cap=%zu auto_complete=%d",
@@ -527,20 +537,21 @@ class Harness {
       if (r.stream != s || r.small != small) continue;
       region_seen = true;
       std::uintptr_t end = r.address + r.size;
+      const std::size_t region_size = kind_ == UpstreamKind::kPages ? dev_->range_bytes(r.address) : r.size;
       for (std::size_t i = 0; i < r.blocks.size(); ++i) {
         const BlockInfo& b = r.blocks[i];
         if (b.state != BlockInfo::kFree) continue;
         std::size_t size = b.size;
         // A paged region is reported up to its last mapped page: its last free block runs on.
         if (kind_ == UpstreamKind::kPages && i + 1 == r.blocks.size())
-          size = round_up(capacity_, page_) - (b.address - r.address);
+          size = region_size - (b.address - r.address);
         if (size >= rounded && (size < best_size || (size == best_size && b.address < best)))
           best = b.address, best_size = size;
       }
       if (kind_ == UpstreamKind::kPages && !r.blocks.empty()) {
         const BlockInfo& last = r.blocks.back();
         std::uintptr_t tail = last.address + last.size;
-        std::size_t size = r.address + round_up(capacity_, page_) - tail;
+        std::size_t size = r.address + region_size - tail;
         if (last.state != BlockInfo::kFree && tail == end && size >= rounded && size < best_size)
           best = tail, best_size = size;
       }
@@ -548,7 +559,7 @@ class Harness {
     if (kind_ == UpstreamKind::kPages) {
       if (!region_seen) {
         // No mapped page in the arena: everything is free, so only the cap or the device can say no.
-        REQUIRE(reserved + round_up(rounded, page_) > limit() || rounded > round_up(capacity_, page_),
+        REQUIRE(reserved + round_up(rounded, page_) > limit(),
                 "spurious OOM: empty arena, reserved " << reserved << " + " << rounded << " fits under "
                                                        << limit());
         return;

@@ -62,13 +62,13 @@ class LockedDevice : public Upstream {
     std::lock_guard<std::mutex> l(m_);
     sim_->release_address_range(a, b);
   }
-  bool map(std::uintptr_t a, std::size_t b) override {
+  bool map(std::uintptr_t a, std::size_t b, std::size_t page) override {
     std::lock_guard<std::mutex> l(m_);
-    return sim_->map(a, b);
+    return sim_->map(a, b, page);
   }
-  void unmap(std::uintptr_t a, std::size_t b) override {
+  void unmap(std::uintptr_t a, std::size_t b, std::size_t page) override {
     std::lock_guard<std::mutex> l(m_);
-    sim_->unmap(a, b);
+    sim_->unmap(a, b, page);
   }
   EventId record_event(StreamId s) override {
     std::lock_guard<std::mutex> l(m_);
@@ -147,6 +147,7 @@ void run_kind(UpstreamKind kind, int threads, int ops, std::uint64_t seed, Total
   dev->set_fault_plan(FaultPlan{0, 0.02, false, seed});
   PoolOptions o;
   o.cap_bytes = 512 * MiB;
+  o.large_page_bytes = 4 * sim->page_size();  // small and large arenas with different pages
   Pool pool(dev, o);
   pool.add_oom_callback([&] { totals.callbacks++; });
   Intervals intervals;

@@ -100,6 +100,7 @@ struct Setup {
     PoolOptions o;
     o.cap_bytes = cap;
     o.release = release;
+    o.large_page_bytes = page;  // one page size throughout: the figures below count pages
     pool = std::make_unique<Pool>(dev, o);
   }
 };
@@ -125,11 +126,11 @@ class FlakyDevice : public Upstream {
   void free_segment(std::uintptr_t a, std::size_t b) override { sim_->free_segment(a, b); }
   std::uintptr_t reserve_address_range(std::size_t b) override { return sim_->reserve_address_range(b); }
   void release_address_range(std::uintptr_t a, std::size_t b) override { sim_->release_address_range(a, b); }
-  bool map(std::uintptr_t a, std::size_t b) override {
+  bool map(std::uintptr_t a, std::size_t b, std::size_t page) override {
     if (fail_map && fail_map(++map_calls)) return ++failures, false;
-    return sim_->map(a, b);
+    return sim_->map(a, b, page);
   }
-  void unmap(std::uintptr_t a, std::size_t b) override { sim_->unmap(a, b); }
+  void unmap(std::uintptr_t a, std::size_t b, std::size_t page) override { sim_->unmap(a, b, page); }
   EventId record_event(StreamId s) override { return sim_->record_event(s); }
   bool event_completed(EventId e) override { return sim_->event_completed(e); }
   void destroy_event(EventId e) override { sim_->destroy_event(e); }
@@ -449,7 +450,9 @@ static void setup_two_gaps(Pool& pool, std::uintptr_t* keep1, std::uintptr_t* ke
 TEST(fault_in_the_middle_of_growing_a_block_retries_transparently) {
   auto sim = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 256 * MiB);
   auto flaky = std::make_shared<FlakyDevice>(sim);
-  Pool pool(flaky);
+  PoolOptions two_mib_pages;
+  two_mib_pages.large_page_bytes = 2 << 20;  // the page layout below is drawn in 2 MiB pages
+  Pool pool(flaky, two_mib_pages);
   std::uintptr_t b, d;
   setup_two_gaps(pool, &b, &d);
   pool.free(b);  // free block p0..p2 with only p1 mapped
@@ -468,7 +471,9 @@ TEST(fault_in_the_middle_of_growing_a_block_retries_transparently) {
 TEST(fault_in_the_middle_of_growing_a_block_then_oom_leaks_nothing) {
   auto sim = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 256 * MiB);
   auto flaky = std::make_shared<FlakyDevice>(sim);
-  Pool pool(flaky);
+  PoolOptions two_mib_pages;
+  two_mib_pages.large_page_bytes = 2 << 20;  // the page layout below is drawn in 2 MiB pages
+  Pool pool(flaky, two_mib_pages);
   std::uintptr_t b, d;
   setup_two_gaps(pool, &b, &d);
   pool.free(b);

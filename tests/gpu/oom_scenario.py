@@ -48,9 +48,9 @@ def execute(nb_path: Path, out_path: Optional[Path], env_extra: Dict[str, str], 
 
     nb = nbformat.read(str(nb_path), as_version=4)
     saved = dict(os.environ)
+    env = {**kernel_env(), **env_extra}  # computed before os.environ is cleared below
     os.environ.clear()
-    os.environ.update(kernel_env())
-    os.environ.update(env_extra)
+    os.environ.update(env)
     try:
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                 resources={"metadata": {"path": str(nb_path.parent)}})

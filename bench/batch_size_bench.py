@@ -130,6 +130,7 @@ def fits_here(kind, net, b):
     import torch
 
     try:
+        net.cuda()  # Lightning's tuner can leave the model on the CPU when it restores its checkpoint
         train_steps(kind, net, b)
         ok = True
     except torch.cuda.OutOfMemoryError:

@@ -274,6 +274,8 @@ bool Pool::ensure_mapped(Block* block) {
   Region* region = block->region;
   std::size_t first = (block->address - region->base) / region->page;
   std::size_t last = (block->address + block->size - 1 - region->base) / region->page;
+  // Fast path: no page below mapped_limit was ever given back, and the block lies below it.
+  if (region->holes == 0 && last < region->mapped_limit) return true;
   std::size_t missing = 0;
   for (std::size_t p = first; p <= last; ++p) missing += !region->page_mapped[p];
   if (missing == 0) return true;
@@ -289,7 +291,10 @@ bool Pool::ensure_mapped(Block* block) {
     if (!upstream_->map(region->base + p * region->page, bytes, region->page)) return false;
     stats_.num_device_alloc++;
     std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 1);
-    region->mapped_limit = std::max(region->mapped_limit, run_end);
+    const std::size_t old_limit = region->mapped_limit;
+    region->holes -= std::min(run_end, old_limit) - std::min(p, old_limit);  // holes filled
+    region->holes += p > old_limit ? p - old_limit : 0;                      // gap left below
+    region->mapped_limit = std::max(old_limit, run_end);
     add_reserved(region, static_cast<std::int64_t>(bytes));
     p = run_end;
   }
@@ -467,6 +472,7 @@ std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
     upstream_->unmap(region->base + p * region->page, bytes, region->page);  // throws: pages stay mapped, accounted
     stats_.num_device_free++;
     std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 0);
+    region->holes += run_end - p;  // released pages always lie below mapped_limit
     add_reserved(region, -static_cast<std::int64_t>(bytes));
     released += bytes;
     p = run_end;
@@ -723,12 +729,22 @@ void Pool::validate() const {
       if (region->arena != arena.get()) fail("region points to another arena");
       std::uintptr_t expect = region->base;
       std::size_t region_reserved = 0;
+      std::size_t holes = 0;
       if (region->paged) {
-        for (auto m : region->page_mapped) region_reserved += m ? region->page : 0;
+        const auto& pages = region->page_mapped;
+        const std::size_t limit = std::min(region->mapped_limit, pages.size());
+        for (std::size_t p = 0; p < limit; ++p) {
+          region_reserved += pages[p] ? region->page : 0;
+          holes += !pages[p];
+        }
+        if (std::find(pages.begin() + limit, pages.end(), 1) != pages.end())
+          fail("mapped page above mapped_limit");
+        if (holes != region->holes) fail("hole count disagrees with the page map");
       } else {
         region_reserved = region->size;
       }
       if (region_reserved != region->reserved) fail("region reserved bytes disagree with its pages");
+
       reserved += static_cast<std::int64_t>(region->reserved);
       segments += region->reserved > 0;
       const Block* prev = nullptr;

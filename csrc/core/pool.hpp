@@ -151,6 +151,7 @@ class Pool {
     std::vector<std::uint8_t> page_mapped;  // paged regions: one flag per page
     std::size_t reserved = 0;               // bytes backed by device memory
     std::size_t mapped_limit = 0;           // no page at or past this index has ever been mapped
+    std::size_t holes = 0;                  // unmapped pages below mapped_limit
     Block* first = nullptr;
   };
   struct Arena {

@@ -29,10 +29,19 @@ Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
 }
 
 Pool::~Pool() {
-  // Give everything back, live or not: whoever destroys the pool is done with its memory.
-  for (auto& pending : pending_) upstream_->destroy_event(pending.event);
+  // Give everything back, live or not: whoever destroys the pool is done with its memory. A
+  // destructor must not throw: driver errors here are ignored, the process is tearing the pool down.
+  for (auto& pending : pending_) {
+    try {
+      upstream_->destroy_event(pending.event);
+    } catch (...) {
+    }
+  }
   for (auto& arena : arenas_) {
-    if (!arena->regions.empty()) upstream_->synchronize(arena->stream);
+    try {
+      if (!arena->regions.empty()) upstream_->synchronize(arena->stream);
+    } catch (...) {
+    }
     for (auto& region : arena->regions) {
       try {
         if (region->paged) {
@@ -44,7 +53,6 @@ Pool::~Pool() {
           upstream_->free_segment(region->base, region->size);
         }
       } catch (...) {
-        // A destructor must not throw; the process is tearing this pool down anyway.
       }
       for (Block* b = region->first; b;) {
         Block* next = b->next;
@@ -98,7 +106,6 @@ void Pool::add_reserved(Region* region, std::int64_t bytes) {
   if (bytes > 0) {
     update(stats_.reserved_bytes, type, [&](Stat& s) { s.increase(bytes); });
     if (was_empty) update(stats_.segment, type, [](Stat& s) { s.increase(1); });
-    high_water_ = std::max<std::size_t>(high_water_, stats_.reserved_bytes[kAggregate].current);
   } else if (bytes < 0) {
     update(stats_.reserved_bytes, type, [&](Stat& s) { s.decrease(-bytes); });
     if (region->reserved == 0) update(stats_.segment, type, [](Stat& s) { s.decrease(1); });
@@ -144,19 +151,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
 }
 
 std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, StreamId stream) {
-  if (!pending_.empty()) {
-    // Recycle what other streams have finished with before looking for room.
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (upstream_->event_completed(it->event)) {
-        upstream_->destroy_event(it->event);
-        Block* b = it->block;
-        it = pending_.erase(it);
-        if (--b->pending_events == 0) return_to_arena(b);
-      } else {
-        ++it;
-      }
-    }
-  }
+  if (!pending_.empty()) recycle_completed();  // what other streams finished with, before looking
   if (rounded > effective_cap()) return 0;
   Arena& arena = arena_for(stream, rounded <= kSmallLimit);
   Block* block = take_free_block(arena, rounded);
@@ -164,22 +159,25 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
   block->requested = requested;
   split(block, rounded);
+  // The high-water release policy counts this block as live while it maps its pages.
+  const std::size_t previous_live_high_water = live_high_water_;
   live_high_water_ = std::max<std::size_t>(
       live_high_water_, stats_.active_bytes[kAggregate].current + block->size);
-  bool mapped = true;
+  auto give_back = [&] {
+    live_high_water_ = previous_live_high_water;
+    block->state = BlockInfo::kFree;
+    block->requested = 0;
+    insert_free(block);
+  };
+  bool mapped;
   try {
     mapped = !block->region->paged || ensure_mapped(block);
   } catch (...) {
-    mapped = false;  // a driver error other than OOM: put the block back, then report it
-    block->state = BlockInfo::kFree;
-    block->requested = 0;
-    insert_free(block);
+    give_back();  // a driver error other than OOM: the pool stays consistent, the caller hears of it
     throw;
   }
   if (!mapped) {
-    block->state = BlockInfo::kFree;
-    block->requested = 0;
-    insert_free(block);
+    give_back();
     return 0;
   }
   StatType type = pool_of(block->region);
@@ -302,7 +300,7 @@ bool Pool::ensure_mapped(Block* block) {
 }
 
 // Makes room for `bytes` more reserved bytes under the cap and, with the high-water policy, under the
-// highest reserve so far (best effort). False only when the cap cannot be met.
+// live high water plus the slack (best effort). False only when the cap cannot be met.
 bool Pool::make_room(std::size_t bytes) {
   std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
   const auto allowed =
@@ -431,6 +429,10 @@ void Pool::record_stream(std::uintptr_t address, StreamId stream) {
 
 void Pool::process_events() {
   std::lock_guard<std::mutex> lock(mutex_);
+  recycle_completed();
+}
+
+void Pool::recycle_completed() {
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (upstream_->event_completed(it->event)) {
       upstream_->destroy_event(it->event);

@@ -179,6 +179,7 @@ class Pool {
   void split(Block* block, std::size_t size);
   void insert_free(Block* block);
   void return_to_arena(Block* block);
+  void recycle_completed();  // frees pending blocks whose events have completed (lock held)
   void add_reserved(Region* region, std::int64_t bytes);
   Block* new_block();
   void delete_block(Block* block);
@@ -198,7 +199,6 @@ class Pool {
   Arena* last_arena_[2] = {nullptr, nullptr};  // last arena used, large [0] and small [1]
   AddressMap<Block*> live_;  // allocated and pending blocks by address
   std::deque<PendingFree> pending_;
-  std::size_t high_water_ = 0;  // highest reserved bytes so far (not reset by reset_peak_stats)
   std::size_t live_high_water_ = 0;  // highest active bytes so far (not reset by reset_peak_stats)
   mutable DeviceStats stats_;
   std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap

@@ -233,17 +233,10 @@ def _line(points: List[Tuple[int, int]]) -> Optional[Tuple[float, float, int, in
     return mp - slope * mb, slope, bmax, pmax
 
 
-# Refinement stops once the largest fitting size is known to within this fraction of itself: at
-# large batches (thousands of samples) the last few trials, each a full step near the memory limit,
-# would cost more time than the half percent they could add.
-_RESOLUTION = 0.005
-
-
 def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1 << 16, *,
             log: Optional[Callable[[Trial], None]] = None, max_trials: int = 40,
             clock: Callable[[], float] = time.perf_counter) -> _SearchOutcome:
-    """The largest ``b`` in ``[lo, hi]`` whose trial fits in ``target`` bytes, to within
-    ``_RESOLUTION`` of it (exact below 200 samples).
+    """The largest ``b`` in ``[lo, hi]`` whose trial fits in ``target`` bytes.
 
     ``measure(b)`` runs a trial and returns its peak bytes (an ``int``, or an object
     with ``peak_bytes`` and optionally ``reserved_bytes`` / ``seconds``), or raises an
@@ -339,8 +332,6 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
         upper = hi if hi_bad is None else hi_bad - 1
         if lo_ok >= upper:
             break
-        if hi_bad is not None and hi_bad - lo_ok <= max(1, int(lo_ok * _RESOLUTION)):
-            break  # within the resolution of a failure: more trials near the top cost more than they gain
         pts = [(bb, p) for bb, p in measured.items() if bb <= lo_ok or bb in ok]
         fit = _line(pts)
 
@@ -357,10 +348,8 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
             guess = predict(target - frag) if phase == "prove" else optimistic
             guess = min(max(guess, lo_ok + 1), upper)
         elif fails_in_row and near_model:
-            # the model was about right: gallop down from the failure in steps of the resolution
-            # (1, 2, 4, ... of them), so large batches do not creep down one sample at a time
-            step = max(1, int(hi_bad * _RESOLUTION)) << (fails_in_row - 1)
-            guess = max(lo_ok + 1, min(optimistic, hi_bad - step))
+            # the model was about right: gallop down from the failure (1, 2, 4, ... below)
+            guess = max(lo_ok + 1, min(optimistic, hi_bad - (1 << (fails_in_row - 1))))
         else:
             guess = max(lo_ok + 1, min(optimistic, (lo_ok + hi_bad) // 2))
         t = run(guess, phase)

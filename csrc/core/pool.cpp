@@ -193,11 +193,8 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
 
 // Best fit among the arena's free blocks; on a segments upstream, a new segment when none fits.
 Pool::Block* Pool::take_free_block(Arena& arena, std::size_t rounded) {
-  Block key;
-  key.size = rounded;
-  key.address = 0;
-  auto it = arena.free_blocks.lower_bound(&key);
-  if (it == arena.free_blocks.end()) {
+  Block* block = arena.free_blocks.best_fit(rounded);
+  if (!block) {
     Region* region = nullptr;
     if (upstream_->kind() == UpstreamKind::kPages) {
       bool has_region = !arena.regions.empty();
@@ -210,11 +207,10 @@ Pool::Block* Pool::take_free_block(Arena& arena, std::size_t rounded) {
       region = add_segment(arena, bytes);
     }
     if (!region) return nullptr;
-    it = arena.free_blocks.lower_bound(&key);
-    if (it == arena.free_blocks.end()) return nullptr;
+    block = arena.free_blocks.best_fit(rounded);
+    if (!block) return nullptr;
   }
-  Block* block = *it;
-  arena.free_blocks.erase(it);
+  arena.free_blocks.erase(block);
   return block;
 }
 
@@ -332,9 +328,9 @@ void Pool::split(Block* block, std::size_t size) {
 
 // Puts a free block into its arena's set, merged with free neighbours first.
 void Pool::insert_free(Block* block) {
-  auto& set = block->region->arena->free_blocks;
+  auto& index = block->region->arena->free_blocks;
   if (Block* p = block->prev; p && p->state == BlockInfo::kFree) {
-    set.erase(p->position);
+    index.erase(p);
     p->size += block->size;
     p->next = block->next;
     if (block->next) block->next->prev = p;
@@ -342,13 +338,13 @@ void Pool::insert_free(Block* block) {
     block = p;
   }
   if (Block* n = block->next; n && n->state == BlockInfo::kFree) {
-    set.erase(n->position);
+    index.erase(n);
     block->size += n->size;
     block->next = n->next;
     if (n->next) n->next->prev = block;
     delete_block(n);
   }
-  block->position = set.insert(block).first;
+  index.insert(block);
 }
 
 // ---- free ----------------------------------------------------------------------------------------
@@ -502,8 +498,9 @@ std::size_t Pool::release_cached_units(std::size_t target) {
     Arena& arena = *arena_ptr;
     if (released >= target) break;
     if (upstream_->kind() == UpstreamKind::kPages) {
-      std::vector<Block*> candidates;
-      for (auto it = arena.free_blocks.rbegin(); it != arena.free_blocks.rend(); ++it) {
+      std::vector<Block*> candidates;  // only the large blocks can hold a whole page
+      const auto& large = arena.free_blocks.large();
+      for (auto it = large.rbegin(); it != large.rend(); ++it) {
         if ((*it)->size < (*it)->region->page) break;
         candidates.push_back(*it);
       }
@@ -528,7 +525,7 @@ std::size_t Pool::release_cached_units(std::size_t target) {
       }
       upstream_->free_segment(region->base, region->size);  // throws: segment stays, accounted
       stats_.num_device_free++;
-      arena.free_blocks.erase(b->position);
+      arena.free_blocks.erase(b);
       delete_block(b);
       add_reserved(region, -static_cast<std::int64_t>(region->size));
       released += region->size;
@@ -577,26 +574,13 @@ DeviceStats Pool::stats() const {
   std::int64_t count[kNumStatTypes] = {0, 0, 0}, bytes[kNumStatTypes] = {0, 0, 0};
   for (auto& arena : arenas_) {
     StatType type = arena->small ? kSmallPool : kLargePool;
-    for (Block* b : arena->free_blocks) {
-      if (b->size == b->region->size) continue;
-      std::size_t backed = b->size;
-      if (b->region->paged) {
-        backed = 0;
-        std::size_t first = (b->address - b->region->base) / b->region->page;
-        std::size_t last = (b->address + b->size - 1 - b->region->base) / b->region->page;
-        last = std::min(last + 1, b->region->mapped_limit);
-        for (std::size_t p = first; p < last; ++p) {
-          if (!b->region->page_mapped[p]) continue;
-          std::uintptr_t lo = std::max<std::uintptr_t>(b->address, b->region->base + p * b->region->page);
-          std::uintptr_t hi = std::min<std::uintptr_t>(b->address + b->size,
-                                                       b->region->base + (p + 1) * b->region->page);
-          backed += hi - lo;
-        }
-        if (backed == 0) continue;
-      }
+    arena->free_blocks.for_each([&](const Block* b) {
+      if (b->size == b->region->size) return;  // a whole region: releasable, not split
+      const std::size_t backed = backed_bytes(b);
+      if (backed == 0) return;
       count[type]++;
       bytes[type] += static_cast<std::int64_t>(backed);
-    }
+    });
   }
   count[kAggregate] = count[kSmallPool] + count[kLargePool];
   bytes[kAggregate] = bytes[kSmallPool] + bytes[kLargePool];
@@ -628,26 +612,41 @@ std::size_t Pool::largest_free_block() const {
 
 std::size_t Pool::largest_free_block_locked() const {
   std::size_t best = 0;
-  for (auto& arena : arenas_) {
-    for (auto it = arena->free_blocks.rbegin(); it != arena->free_blocks.rend(); ++it) {
-      Block* b = *it;
-      if (b->size <= best) break;
-      if (!b->region->paged) {
-        best = b->size;
-        break;
-      }
-      // Longest mapped run inside the block.
-      std::uintptr_t run_start = b->address;
-      std::uintptr_t end = std::min<std::uintptr_t>(
-          b->address + b->size, b->region->base + b->region->mapped_limit * b->region->page);
-      for (std::uintptr_t a = b->address; a < end;) {
-        std::size_t p = (a - b->region->base) / b->region->page;
-        std::uintptr_t page_end = std::min<std::uintptr_t>(end, b->region->base + (p + 1) * b->region->page);
-        if (!b->region->page_mapped[p]) run_start = page_end;
-        else best = std::max<std::size_t>(best, page_end - run_start);
-        a = page_end;
-      }
-    }
+  for (auto& arena : arenas_)
+    arena->free_blocks.for_each([&](const Block* b) {
+      if (b->size > best) best = std::max(best, longest_backed_run(b));
+    });
+  return best;
+}
+
+std::size_t Pool::backed_bytes(const Block* b) const {
+  const Region* r = b->region;
+  if (!r->paged) return b->size;
+  std::size_t backed = 0;
+  const std::size_t first = (b->address - r->base) / r->page;
+  const std::size_t end = std::min((b->address + b->size - 1 - r->base) / r->page + 1, r->mapped_limit);
+  for (std::size_t p = first; p < end; ++p) {
+    if (!r->page_mapped[p]) continue;
+    const std::uintptr_t lo = std::max<std::uintptr_t>(b->address, r->base + p * r->page);
+    const std::uintptr_t hi = std::min<std::uintptr_t>(b->address + b->size, r->base + (p + 1) * r->page);
+    backed += hi - lo;
+  }
+  return backed;
+}
+
+std::size_t Pool::longest_backed_run(const Block* b) const {
+  const Region* r = b->region;
+  if (!r->paged) return b->size;
+  std::size_t best = 0;
+  std::uintptr_t run_start = b->address;
+  const std::uintptr_t end =
+      std::min<std::uintptr_t>(b->address + b->size, r->base + r->mapped_limit * r->page);
+  for (std::uintptr_t a = b->address; a < end;) {
+    const std::size_t p = (a - r->base) / r->page;
+    const std::uintptr_t page_end = std::min<std::uintptr_t>(end, r->base + (p + 1) * r->page);
+    if (!r->page_mapped[p]) run_start = page_end;
+    else best = std::max<std::size_t>(best, page_end - run_start);
+    a = page_end;
   }
   return best;
 }
@@ -759,7 +758,7 @@ void Pool::validate() const {
         if (b->state == BlockInfo::kFree) {
           free_seen++;
           free_in_arena++;
-          if (!arena->free_blocks.count(b)) fail("free block missing from its arena's free set");
+          if (!arena->free_blocks.contains(b)) fail("free block missing from its arena's free index");
           if (prev && prev->state == BlockInfo::kFree) fail("two adjacent free blocks not merged");
           if (b->requested || !b->extra_streams.empty() || b->pending_events)
             fail("free block carries allocation state");
@@ -789,7 +788,8 @@ void Pool::validate() const {
       }
       if (expect != region->base + region->size) fail("blocks do not cover their region");
     }
-    if (free_in_arena != arena->free_blocks.size()) fail("free set holds blocks not in any region");
+    if (free_in_arena != arena->free_blocks.size()) fail("free index holds blocks not in any region");
+    if (!arena->free_blocks.bins_consistent()) fail("a free bin's list or bitmap is inconsistent");
   }
   if (live_seen != live_.size()) fail("address map holds blocks not in any region");
   std::size_t pending_blocks = 0;

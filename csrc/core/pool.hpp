@@ -2,8 +2,9 @@
 //  - Requests are rounded to 512 bytes. Those up to 1 MiB go to a "small" arena, the rest to a "large"
 //    one; each stream has its own pair of arenas, so a block freed on stream S is reused at once on S
 //    and never handed to another stream while S may still use it.
-//  - An arena's free blocks sit in one set ordered by (size, address): allocation takes the best fit
-//    and splits it; free coalesces with free neighbours of the same region.
+//  - An arena's free blocks sit in a free index (exact-size bins up to 1 MiB, a set ordered by size
+//    and address above): allocation takes the best fit and splits it; free coalesces with free
+//    neighbours of the same region.
 //  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range as large as the device,
 //    whose pages are mapped when a block first needs them. Free pages anywhere in it can be unmapped,
 //    so free memory in the middle of a region goes back to the device ("reserved" = mapped pages).
@@ -33,6 +34,7 @@
 
 #include "address_map.hpp"
 #include "errors.hpp"
+#include "free_index.hpp"
 #include "node_cache.hpp"
 #include "stats.hpp"
 #include "types.hpp"
@@ -140,7 +142,10 @@ class Pool {
     BlockInfo::State state = BlockInfo::kFree;
     std::uint32_t pending_events = 0;
     std::vector<StreamId> extra_streams;
-    FreeSet::iterator position;  // where it sits in its arena's free set while free: erase skips a search
+    // Where it sits in its arena's free index while free: a bin's list, or a set position.
+    Block* bin_prev = nullptr;
+    Block* bin_next = nullptr;
+    FreeSet::iterator position;
   };
   struct Region {
     std::uintptr_t base = 0;
@@ -159,7 +164,7 @@ class Pool {
     bool small = false;
     std::vector<std::unique_ptr<Region>> regions;
     NodeCache nodes;  // recycles the set's nodes: the hot path never calls malloc
-    FreeSet free_blocks{BySizeThenAddress(), CachedNodeAllocator<Block*>(&nodes)};
+    FreeIndex<Block, FreeSet> free_blocks{FreeSet(BySizeThenAddress(), CachedNodeAllocator<Block*>(&nodes))};
   };
   struct PendingFree {
     Block* block;
@@ -185,6 +190,8 @@ class Pool {
   void delete_block(Block* block);
   Block* find_live(std::uintptr_t address, const char* what) const;
   std::size_t largest_free_block_locked() const;
+  std::size_t backed_bytes(const Block* block) const;      // bytes of a free block on mapped pages
+  std::size_t longest_backed_run(const Block* block) const;  // longest such run without a gap
   std::string oom_message(std::size_t requested, StreamId stream) const;
   StatType pool_of(const Region* region) const { return region->arena->small ? kSmallPool : kLargePool; }
   template <typename F> void update(StatArray& stat, StatType type, F&& op);

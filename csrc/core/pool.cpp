@@ -220,19 +220,8 @@ Pool::Region* Pool::add_segment(Arena& arena, std::size_t bytes) {
   std::uintptr_t base = upstream_->allocate_segment(bytes);
   if (!base) return nullptr;
   stats_.num_device_alloc++;
-  auto region = std::make_unique<Region>();
-  region->base = base;
-  region->size = bytes;
-  region->arena = &arena;
-  Block* b = new_block();
-  b->address = base;
-  b->size = bytes;
-  b->region = region.get();
-  region->first = b;
-  Region* r = region.get();
-  arena.regions.push_back(std::move(region));
+  Region* r = add_region(arena, base, bytes, 0);
   add_reserved(r, static_cast<std::int64_t>(bytes));
-  insert_free(b);
   return r;
 }
 
@@ -244,13 +233,18 @@ Pool::Region* Pool::add_paged_region(Arena& arena) {
   std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), page);
   std::uintptr_t base = upstream_->reserve_address_range(bytes);
   if (!base) return nullptr;
+  return add_region(arena, base, bytes, page);
+}
+
+// A new region of the arena, covered by one free block. `page` 0: a segment, wholly backed.
+Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page) {
   auto region = std::make_unique<Region>();
   region->base = base;
   region->size = bytes;
   region->arena = &arena;
-  region->paged = true;
+  region->paged = page != 0;
   region->page = page;
-  region->page_mapped.assign(bytes / page, 0);
+  if (page) region->page_mapped.assign(bytes / page, 0);
   Block* b = new_block();
   b->address = base;
   b->size = bytes;

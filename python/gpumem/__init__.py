@@ -51,7 +51,11 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    try:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    except ImportError as e:
+        raise ImportError(f"gpumem.{name} needs PyTorch, which could not be imported ({e}); "
+                          f"install torch, then use it") from e
     globals()[name] = value
     return value
 

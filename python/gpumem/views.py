@@ -189,6 +189,8 @@ def summary(device: Any = None) -> str:
     largest free block, cap) for ``device`` (index, ``torch.device`` or None = every device in use)."""
     state = cuda_state()
     if state == "none":
+        if _torch() is None:
+            return Text("gpumem: PyTorch is not importable, so there is no GPU memory to show.")
         return Text("gpumem: no CUDA device available (torch.cuda.is_available() is False); nothing on GPU.")
     if state == "uninitialized":
         return Text("gpumem: CUDA is available but not initialised yet; nothing allocated on any GPU.")

@@ -5,9 +5,11 @@
 //  - An arena's free blocks sit in a free index (exact-size bins up to 1 MiB, a set ordered by size
 //    and address above): allocation takes the best fit and splits it; free coalesces with free
 //    neighbours of the same region.
-//  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range as large as the device,
-//    whose pages are mapped when a block first needs them. Free pages anywhere in it can be unmapped,
-//    so free memory in the middle of a region goes back to the device ("reserved" = mapped pages).
+//  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range four times the device,
+//    whose pages (the upstream's 2 MiB granularity in small arenas, 8 MiB by default in large ones;
+//    one physical allocation each) are mapped when a block first needs them. Free pages anywhere in
+//    it can be unmapped, so free memory in the middle of a region goes back to the device
+//    ("reserved" = mapped pages).
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
 //  - Release policy "lazy" (default): free pages stay cached (mapped) for reuse until trim(), or until
 //    the cap or the device runs short: then fully free pages anywhere, even between live blocks, are
@@ -29,7 +31,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "address_map.hpp"
@@ -50,8 +51,8 @@ enum class ReleasePolicy {
 struct PoolOptions {
   std::size_t cap_bytes = 0;  // upper bound on reserved bytes; 0 = the device's memory is the bound
   ReleasePolicy release = ReleasePolicy::kLazy;
-  // High-water policy only: reserved may exceed the highest reserve so far by this fraction before
-  // cached pages are released. A little slack absorbs step-to-step wobble in where blocks land, which
+  // High-water policy only: reserved may exceed the highest live bytes so far by this fraction
+  // before cached pages are released. A little slack absorbs step-to-step wobble in where blocks land, which
   // on a GPU saves a stream synchronisation and an unmap/map round per wobble.
   double release_slack = 0.005;
   // Paged upstreams: bytes per page of the large arenas (a multiple of the upstream's granularity;

@@ -1,25 +1,16 @@
 """CPU tests of gpumem.find_batch_size: the search against simulated memory curves, the
 state-restoring guarantee with the real step runner on a CPU model (memory simulated),
 argument validation, and the distributed agreement with two gloo processes."""
-import importlib.util
 import math
 import os
 import random
 import socket
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
-try:
-    from gpumem import batch_size as bs
-except ImportError:  # gpumem's compiled core is not built here: the module is pure Python, load it alone
-    _path = os.path.join(os.path.dirname(__file__), "..", "python", "gpumem", "batch_size.py")
-    _spec = importlib.util.spec_from_file_location("_gpumem_batch_size", _path)
-    bs = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = bs
-    _spec.loader.exec_module(bs)
+from gpumem import batch_size as bs
 
 BatchSizeError, BatchSizeResult, Trial = bs.BatchSizeError, bs.BatchSizeResult, bs.Trial
 _search, find_batch_size = bs._search, bs.find_batch_size

@@ -7,18 +7,10 @@ import gc
 import sys
 import types
 import weakref
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-
-try:  # the compiled core may not be built where these CPU tests run: load the Python modules alone
-    import gpumem  # noqa: F401
-except ImportError:
-    _pkg = types.ModuleType("gpumem")
-    _pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "python" / "gpumem")]
-    sys.modules["gpumem"] = _pkg
 
 from gpumem.cleanup import CleanupReport, cleanup  # noqa: E402
 

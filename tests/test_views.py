@@ -3,18 +3,10 @@ import json
 import sys
 import time
 import types
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-
-try:  # the compiled core may not be built where these CPU tests run: load the Python modules alone
-    import gpumem  # noqa: F401
-except ImportError:
-    _pkg = types.ModuleType("gpumem")
-    _pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "python" / "gpumem")]
-    sys.modules["gpumem"] = _pkg
 
 from gpumem import views  # noqa: E402
 from gpumem.timeline import Timeline, default_timeline, record  # noqa: E402

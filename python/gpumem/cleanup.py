@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .views import cuda_state, fmt_bytes, get_stats, tracked_devices
+from .views import allocated_reserved, cuda_state, fmt_bytes, tracked_devices
 
 __all__ = ["cleanup", "CleanupReport", "Step", "Holder", "release_tracebacks", "find_holders"]
 
@@ -296,13 +296,6 @@ class _Tracker:
         return n
 
 
-def _measure(devs: List[int]) -> Tuple[int, int]:
-    a = r = 0
-    for d in devs:
-        s = get_stats(d)
-        a += int(s.get("allocated_bytes.all.current", 0))
-        r += int(s.get("reserved_bytes.all.current", 0))
-    return a, r
 
 
 # ------------------------------------------------------------------------------------------
@@ -817,7 +810,7 @@ def _cleanup(report, names, namespace, tracebacks, output_cache, collect, empty_
                             "callers) keep their variables; the finished frames of the exception were released")
 
     tracker = _Tracker(pred) if analyze or report.cuda != "ready" else None
-    report.allocated_before, report.reserved_before = _measure(devs)
+    report.allocated_before, report.reserved_before = allocated_reserved(devs)
     last = [report.allocated_before, report.reserved_before]
 
     def run(step_name: str, fn: Callable[[], str]) -> None:
@@ -830,7 +823,7 @@ def _cleanup(report, names, namespace, tracebacks, output_cache, collect, empty_
         except BaseException as e:
             report.problems.append(f"{step_name}: {type(e).__name__}: {e}")
             step.detail = "failed (see problems)"
-        a, r = _measure(devs)
+        a, r = allocated_reserved(devs)
         step.freed_allocated, step.freed_reserved = last[0] - a, last[1] - r
         last[0], last[1] = a, r
         if tracker is not None:

@@ -29,18 +29,9 @@ class Sample:
 
 def _default_sampler(device: Any) -> Callable[[], Tuple[int, int]]:
     def sample() -> Tuple[int, int]:
-        from .views import get_stats, tracked_devices
+        from .views import allocated_reserved, tracked_devices
 
-        if device is None:
-            devs = tracked_devices()
-            a = r = 0
-            for d in devs:
-                s = get_stats(d)
-                a += int(s.get("allocated_bytes.all.current", 0))
-                r += int(s.get("reserved_bytes.all.current", 0))
-            return a, r
-        s = get_stats(device)
-        return int(s.get("allocated_bytes.all.current", 0)), int(s.get("reserved_bytes.all.current", 0))
+        return allocated_reserved(tracked_devices() if device is None else [device])
 
     return sample
 

@@ -8,9 +8,9 @@ the GPU yet is reported as such.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["get_stats", "summary", "plot", "fmt_bytes", "cuda_state", "tracked_devices"]
+__all__ = ["get_stats", "allocated_reserved", "summary", "plot", "fmt_bytes", "cuda_state", "tracked_devices"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -104,6 +104,16 @@ def get_stats(device: Any = None) -> Dict[str, Any]:
         return dict(torch.cuda.memory_stats(device))
     except Exception:
         return {}
+
+
+def allocated_reserved(devices: List[Any]) -> Tuple[int, int]:
+    """Current allocated and reserved bytes, summed over ``devices``."""
+    a = r = 0
+    for d in devices:
+        s = get_stats(d)
+        a += int(s.get("allocated_bytes.all.current", 0))
+        r += int(s.get("reserved_bytes.all.current", 0))
+    return a, r
 
 
 def tracked_devices() -> List[int]:

@@ -235,8 +235,15 @@ def _line(points: List[Tuple[int, int]]) -> Optional[Tuple[float, float, int, in
 
 def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1 << 16, *,
             log: Optional[Callable[[Trial], None]] = None, max_trials: int = 40,
+            resolution: float = 0.005,
             clock: Callable[[], float] = time.perf_counter) -> _SearchOutcome:
-    """The largest ``b`` in ``[lo, hi]`` whose trial fits in ``target`` bytes.
+    """The largest ``b`` in ``[lo, hi]`` whose trial fits in ``target`` bytes, to within
+    ``resolution`` (a fraction of ``b``; 0 for the exact size).
+
+    Near the limit every trial runs close to full memory and is the slowest of the search,
+    so the refinement stops once the bracket between the largest fitting and the smallest
+    failing size is at most ``resolution`` of the fitting size (always exact below 200 at
+    the default 0.5%), and its gallop down from a failure moves in steps of half of that.
 
     ``measure(b)`` runs a trial and returns its peak bytes (an ``int``, or an object
     with ``peak_bytes`` and optionally ``reserved_bytes`` / ``seconds``), or raises an
@@ -326,12 +333,14 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
 
     # -- 2. prove and refine
     fails_in_row = 0
-    near_model = True
+    gallop = False
     phase = "prove"
     while True:
         upper = hi if hi_bad is None else hi_bad - 1
         if lo_ok >= upper:
             break
+        if hi_bad is not None and hi_bad - lo_ok <= max(1, int(resolution * lo_ok)):
+            break  # close enough: the sizes left differ by less than the resolution
         pts = [(bb, p) for bb, p in measured.items() if bb <= lo_ok or bb in ok]
         fit = _line(pts)
 
@@ -347,18 +356,22 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
         if hi_bad is None:
             guess = predict(target - frag) if phase == "prove" else optimistic
             guess = min(max(guess, lo_ok + 1), upper)
-        elif fails_in_row and near_model:
-            # the model was about right: gallop down from the failure (1, 2, 4, ... below)
-            guess = max(lo_ok + 1, min(optimistic, hi_bad - (1 << (fails_in_row - 1))))
+        elif gallop:
+            # the first failure was near the model's line, so the limit is just below it:
+            # gallop down from it (1, 2, 4, ... steps) rather than bisect the whole bracket
+            step = max(1, int(resolution * hi_bad / 2))
+            guess = max(lo_ok + 1, min(optimistic, hi_bad - step * (1 << (fails_in_row - 1))))
         else:
             guess = max(lo_ok + 1, min(optimistic, (lo_ok + hi_bad) // 2))
+        first_failure = hi_bad is None
         t = run(guess, phase)
         phase = "refine"
         if t.fits:
             lo_ok, fails_in_row = guess, 0
+            gallop = False  # a bracket from real trials on both sides: bisect it
         else:
-            if not fails_in_row:  # a first failure: was the model's line close to it?
-                near_model = optimistic - guess <= max(2, guess // 10)
+            if first_failure:
+                gallop = optimistic - guess <= max(2, guess // 10)
             hi_bad, fails_in_row = guess, fails_in_row + 1
 
     final_fit = _line([(bb, p) for bb, p in measured.items() if bb in ok]) or probe_fit
@@ -829,7 +842,7 @@ def _input_factory(shape: Sequence[int], dtype: torch.dtype, value_range: Option
 
 
 def _validate(model: Any, shape: Any, *, mode: str, step_fn: Any, input_fn: Any, max_memory: Any,
-              margin: float, min_batch: int, max_batch: Optional[int], steps: int,
+              margin: float, resolution: float, min_batch: int, max_batch: Optional[int], steps: int,
               target_batch: Optional[int], optimizer: Any, input_range: Any) -> None:
     if mode not in ("train", "inference"):
         raise ValueError(f"mode must be 'train' or 'inference', not {mode!r}")
@@ -863,6 +876,9 @@ def _validate(model: Any, shape: Any, *, mode: str, step_fn: Any, input_fn: Any,
             raise ValueError(f"max_memory in bytes must be positive, not {max_memory}")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0.0 <= margin < 0.5:
         raise ValueError(f"margin must be in [0, 0.5), not {margin!r}")
+    if (not isinstance(resolution, (int, float)) or isinstance(resolution, bool)
+            or not 0.0 <= resolution <= 0.1):
+        raise ValueError(f"resolution must be in [0, 0.1], not {resolution!r}")
     if not isinstance(min_batch, int) or min_batch < 1:
         raise ValueError(f"min_batch must be an int >= 1, not {min_batch!r}")
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < min_batch):
@@ -910,6 +926,7 @@ def find_batch_size(
     autocast: Optional[torch.dtype] = None,
     max_memory: Union[None, float, int] = None,
     margin: float = 0.02,
+    resolution: float = 0.005,
     min_batch: int = 1,
     max_batch: Optional[int] = None,
     steps: int = 3,
@@ -950,6 +967,10 @@ def find_batch_size(
             and ``set_per_process_memory_fraction``) always applies.
         margin: fraction of the budget left free (default 0.02), for the differences
             between a trial and a fresh process.
+        resolution: stop refining once the largest fitting and the smallest failing
+            size differ by at most this fraction (default 0.005; exact below 200;
+            ``0`` for the exact size at any scale, at the cost of more trials near
+            the limit, which are the slowest).
         min_batch, max_batch: bounds of the search (default 1 and 65536).
         steps: steps per trial (default 3).
         target_batch: turns the result into a plan: ``micro_batch_size`` and
@@ -976,7 +997,7 @@ def find_batch_size(
         >>> loader = DataLoader(ds, batch_size=res.batch_size)
     """
     args = dict(mode=mode, step_fn=step_fn, input_fn=input_fn, max_memory=max_memory, margin=margin,
-                min_batch=min_batch, max_batch=max_batch, steps=steps, target_batch=target_batch,
+                resolution=resolution, min_batch=min_batch, max_batch=max_batch, steps=steps, target_batch=target_batch,
                 optimizer=optimizer, input_range=input_range)
     _validate(model, shape, **args)
     if not torch.cuda.is_available():
@@ -1004,13 +1025,13 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
           input_range: Optional[Tuple[float, float]], input_fn: Optional[Callable[[int], Any]],
           step_fn: Optional[Callable[[int], Any]], loss_fn: Optional[Callable], optimizer: Any,
           autocast: Optional[torch.dtype], max_memory: Union[None, float, int], margin: float,
-          min_batch: int, max_batch: Optional[int], steps: int, target_batch: Optional[int],
+          resolution: float, min_batch: int, max_batch: Optional[int], steps: int, target_batch: Optional[int],
           verbose: bool, log: Optional[Callable[[str], None]], distributed: Optional[bool],
           backend: _Backend) -> BatchSizeResult:
     """find_batch_size on a given memory backend (the CUDA one, or a test's simulation)."""
     t_start = time.perf_counter()
     _validate(model, shape, mode=mode, step_fn=step_fn, input_fn=input_fn, max_memory=max_memory,
-              margin=margin, min_batch=min_batch, max_batch=max_batch, steps=steps,
+              margin=margin, resolution=resolution, min_batch=min_batch, max_batch=max_batch, steps=steps,
               target_batch=target_batch, optimizer=optimizer, input_range=input_range)
     if model is not None:
         model = _unwrap(model)
@@ -1083,7 +1104,7 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
             raise BatchSizeError(f"no batch fits: {_fmt(ballast)} of ballast (the memory outside the target) "
                                  f"could not be allocated next to {_fmt(live)} of live tensors",
                                  needed_bytes=live, available_bytes=target)
-        out = _search(runner.trial, target, min_batch, hi, log=log_trial)
+        out = _search(runner.trial, target, min_batch, hi, log=log_trial, resolution=resolution)
     finally:
         del runner
         backend.release()

@@ -501,8 +501,9 @@ bool GpumemAllocator::try_free_main(int device, std::uintptr_t p) {
     if (size == 0) return false;
   }
   try {
+    // No device switch: the CUDA upstreams make their device's context current for each driver
+    // call (events on the block's other streams, unmapping), whatever device this thread is on.
     MaybeRelaxed relaxed(routing_count_.load(std::memory_order_acquire) > 0);
-    DeviceSwitch on(device);  // free() may record events on the block's other streams
     pool->free(p);
   } catch (const InvalidArgument&) {
     return false;  // not this pool's

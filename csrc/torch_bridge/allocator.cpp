@@ -457,7 +457,9 @@ void GpumemAllocator::raise_oom(int device, const OutOfMemoryError& e, cudaStrea
     observers = oom_observers_;
   }
   for (auto& observer : observers) observer(device, e.allocated, total_bytes, free_bytes);
-  C10_THROW_ERROR(OutOfMemoryError, e.what());
+  // "CUDA out of memory." first, as in PyTorch's message: Lightning, Accelerate and many scripts
+  // recognise an OOM by that text rather than by the exception type.
+  C10_THROW_ERROR(OutOfMemoryError, std::string("CUDA out of memory. ") + e.what());
 }
 
 // ---- free ----------------------------------------------------------------------------------------

@@ -66,10 +66,6 @@ Pool::~Pool() {
 
 // ---- small helpers -------------------------------------------------------------------------------
 
-bool Pool::BySizeThenAddress::operator()(const Block* a, const Block* b) const {
-  return a->size != b->size ? a->size < b->size : a->address < b->address;
-}
-
 template <typename F>
 void Pool::update(StatArray& stat, StatType type, F&& op) {
   op(stat[kAggregate]);
@@ -493,11 +489,9 @@ std::size_t Pool::release_cached_units(std::size_t target) {
     if (released >= target) break;
     if (upstream_->kind() == UpstreamKind::kPages) {
       std::vector<Block*> candidates;  // only the large blocks can hold a whole page
-      const auto& large = arena.free_blocks.large();
-      for (auto it = large.rbegin(); it != large.rend(); ++it) {
-        if ((*it)->size < (*it)->region->page) break;
-        candidates.push_back(*it);
-      }
+      arena.free_blocks.for_each_large_largest_first([&](Block* b) {
+        if (b->size >= b->region->page) candidates.push_back(b);
+      });
       for (Block* b : candidates) {
         if (released >= target) break;
         released += release_pages_of(b, target - released);
@@ -783,7 +777,7 @@ void Pool::validate() const {
       if (expect != region->base + region->size) fail("blocks do not cover their region");
     }
     if (free_in_arena != arena->free_blocks.size()) fail("free index holds blocks not in any region");
-    if (!arena->free_blocks.bins_consistent()) fail("a free bin's list or bitmap is inconsistent");
+    if (!arena->free_blocks.consistent()) fail("a free bin's or size class's list or bitmap is inconsistent");
   }
   if (live_seen != live_.size()) fail("address map holds blocks not in any region");
   std::size_t pending_blocks = 0;

@@ -84,9 +84,8 @@ void Pool::delete_block(Block* block) {
   spare_blocks_.push_back(block);
 }
 
-Pool::Arena& Pool::arena_for(StreamId stream, bool small) {
-  Arena*& last = last_arena_[small];  // most calls repeat the previous stream
-  if (last && last->stream == stream) return *last;
+Pool::Arena& Pool::find_arena(StreamId stream, bool small) {
+  Arena*& last = last_arena_[small];
   for (auto& a : arenas_)
     if (a->stream == stream && a->small == small) return *(last = a.get());
   arenas_.push_back(std::make_unique<Arena>());

@@ -165,7 +165,11 @@ class Pool {
   };
 
   std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);
-  Arena& arena_for(StreamId stream, bool small);
+  Arena& arena_for(StreamId stream, bool small) {
+    Arena* last = last_arena_[small];  // most calls repeat the previous stream: inline, no call
+    return last && last->stream == stream ? *last : find_arena(stream, small);
+  }
+  Arena& find_arena(StreamId stream, bool small);  // finds or adds it, and remembers it as the last
   Block* take_free_block(Arena& arena, std::size_t rounded);
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);

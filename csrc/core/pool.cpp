@@ -166,7 +166,7 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   };
   bool mapped;
   try {
-    mapped = !block->region->paged || ensure_mapped(block);
+    mapped = !block->region->paged || below_mapped_limit(block) || ensure_mapped(block);
   } catch (...) {
     give_back();  // a driver error other than OOM: the pool stays consistent, the caller hears of it
     throw;
@@ -251,14 +251,20 @@ Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t by
   return r;
 }
 
+// Whether all the block's pages are mapped, cheaply (no division, inlined): no page below
+// mapped_limit was ever given back, and the block lies below it.
+inline bool Pool::below_mapped_limit(const Block* block) {
+  const Region* r = block->region;
+  return r->holes == 0 && block->address + block->size <= r->base + r->mapped_limit * r->page;
+}
+
 // Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
 // mapped and accounted as reserved; the caller returns the block to the free set.
 bool Pool::ensure_mapped(Block* block) {
+  if (below_mapped_limit(block)) return true;
   Region* region = block->region;
   std::size_t first = (block->address - region->base) / region->page;
   std::size_t last = (block->address + block->size - 1 - region->base) / region->page;
-  // Fast path: no page below mapped_limit was ever given back, and the block lies below it.
-  if (region->holes == 0 && last < region->mapped_limit) return true;
   std::size_t missing = 0;
   for (std::size_t p = first; p <= last; ++p) missing += !region->page_mapped[p];
   if (missing == 0) return true;

@@ -174,6 +174,7 @@ class Pool {
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);
+  static bool below_mapped_limit(const Block* block);
   bool ensure_mapped(Block* block);
   bool make_room(std::size_t bytes);
   std::size_t release_cached(std::size_t target, bool rethrow = false);

@@ -318,7 +318,8 @@ void Pool::split(Block* block, std::size_t size) {
   if (block->next) block->next->prev = rest;
   block->next = rest;
   block->size = size;
-  insert_free(rest);
+  // Nothing to merge: `block` is taken, and the next block was not free (free neighbours are merged).
+  block->region->arena->free_blocks.insert(rest);
 }
 
 // Puts a free block into its arena's set, merged with free neighbours first.

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+
 #include "size_class_lists.hpp"
 #include "types.hpp"
 
@@ -22,7 +23,10 @@ template <typename Block>
 class FreeIndex {
  public:
   void insert(Block* b) {
-    if (b->size > kBinnedLimit) return large_.insert(b);
+    if (b->size > kBinnedLimit) {
+      large_.insert(b);
+      return;
+    }
     const std::size_t i = bin_of(b->size);
     b->bin_prev = nullptr;
     b->bin_next = heads_[i];
@@ -34,7 +38,10 @@ class FreeIndex {
 
   // `b` must be in the index, with the size it was inserted with.
   void erase(Block* b) {
-    if (b->size > kBinnedLimit) return large_.erase(b);
+    if (b->size > kBinnedLimit) {
+      large_.erase(b);
+      return;
+    }
     const std::size_t i = bin_of(b->size);
     if (b->bin_prev) {
       b->bin_prev->bin_next = b->bin_next;

@@ -18,7 +18,7 @@ class AddressMap {
 
   // Inserts or overwrites.
   void put(std::uintptr_t key, Value value) {
-    if ((size_ + 1) * 4 > slots_.size() * 3) grow();
+    if ((size_ + 1) * 2 > slots_.size()) grow();  // at most half full: short probe runs
     place(key, value);
   }
 

@@ -1,33 +1,30 @@
 // The free blocks of one arena, found by size. Blocks up to kBinnedLimit sit in exact-size bins
 // (512-byte steps; doubly linked lists, with a bitmap of the non-empty bins), so inserting, removing
-// and finding the best fit for them is O(1) and touches no allocator; larger blocks sit in a set
-// ordered by (size, address), O(log n). Training asks for the same small sizes over and over, so most
-// operations land in the bins.
+// and finding the best fit for them is O(1) and touches no allocator; larger blocks sit in sorted size
+// class lists (size_class_lists.hpp), which give the same best fit as an ordered set by (size,
+// address) without a tree's allocations and pointer chasing.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <utility>
 
+#include "size_class_lists.hpp"
 #include "types.hpp"
 
 namespace gpumem {
 
-// Blocks up to this size are binned; above it they go to the ordered set. It is below every page
-// size, so the blocks whose pages can be released are all in the set.
+// Blocks up to this size are binned; above it they go to the size class lists. It is below every page
+// size, so the blocks whose pages can be released are all in the lists.
 constexpr std::size_t kBinnedLimit = 1 * MiB;
 
-// `Block` needs: size, address, bin_prev, bin_next (Block*), position (Set::iterator).
-// `Set` is an ordered set of Block* by (size, address).
-template <typename Block, typename Set>
+// `Block` needs: size, address, bin_prev, bin_next (Block*).
+template <typename Block>
 class FreeIndex {
  public:
-  explicit FreeIndex(Set set) : set_(std::move(set)) {}
-
   void insert(Block* b) {
     if (b->size > kBinnedLimit) {
-      b->position = set_.insert(b).first;
+      large_.insert(b);
       return;
     }
     const std::size_t i = bin_of(b->size);
@@ -42,7 +39,7 @@ class FreeIndex {
   // `b` must be in the index, with the size it was inserted with.
   void erase(Block* b) {
     if (b->size > kBinnedLimit) {
-      set_.erase(b->position);
+      large_.erase(b);
       return;
     }
     const std::size_t i = bin_of(b->size);
@@ -68,43 +65,35 @@ class FreeIndex {
         word = bits_[w];
       }
     }
-    Block key;
-    key.size = size;
-    key.address = 0;
-    auto it = set_.lower_bound(&key);
-    return it == set_.end() ? nullptr : *it;
+    return large_.best_fit(size);
   }
 
-  std::size_t size() const { return binned_ + set_.size(); }
+  std::size_t size() const { return binned_ + large_.size(); }
   bool empty() const { return size() == 0; }
 
-  // The set's blocks (all of size > kBinnedLimit), largest first.
-  const Set& large() const { return set_; }
-
-  Block* largest() const {
-    if (!set_.empty()) return *set_.rbegin();
-    for (std::size_t w = kWords; w-- > 0;)
-      if (bits_[w]) return heads_[w * 64 + 63 - static_cast<std::size_t>(__builtin_clzll(bits_[w]))];
-    return nullptr;
-  }
+  // Calls f(b) on the blocks above kBinnedLimit, largest first.
+  template <typename F>
+  void for_each_large_largest_first(F&& f) const { large_.for_each_largest_first(f); }
 
   template <typename F>
   void for_each(F&& f) const {
-    for (Block* b : set_) f(b);
+    large_.for_each_largest_first(f);
     for (std::size_t i = 0; i < kBins; ++i)
       for (Block* b = heads_[i]; b; b = b->bin_next) f(b);
   }
 
   // For the invariant checker: whether `b` is where its size says it must be.
   bool contains(const Block* b) const {
-    if (b->size > kBinnedLimit) return set_.count(const_cast<Block*>(b)) == 1;
+    if (b->size > kBinnedLimit) return large_.contains(b);
     for (const Block* x = heads_[bin_of(b->size)]; x; x = x->bin_next)
       if (x == b) return true;
     return false;
   }
 
-  // For the invariant checker: every bin holds only blocks of its size and the bitmap matches.
-  bool bins_consistent() const {
+  // For the invariant checker: every bin holds only blocks of its size and the bitmap matches, and
+  // the size class lists are consistent.
+  bool consistent() const {
+    if (!large_.consistent()) return false;
     std::size_t n = 0;
     for (std::size_t i = 0; i < kBins; ++i) {
       const bool bit = (bits_[i / 64] >> (i % 64)) & 1;
@@ -121,7 +110,7 @@ class FreeIndex {
   static constexpr std::size_t kWords = (kBins + 63) / 64;
   static std::size_t bin_of(std::size_t size) { return size / kAlignment; }
 
-  Set set_;
+  SizeClassLists<Block, kBinnedLimit> large_;
   std::array<Block*, kBins> heads_{};
   std::array<std::uint64_t, kWords> bits_{};
   std::size_t binned_ = 0;

@@ -66,10 +66,6 @@ Pool::~Pool() {
 
 // ---- small helpers -------------------------------------------------------------------------------
 
-bool Pool::BySizeThenAddress::operator()(const Block* a, const Block* b) const {
-  return a->size != b->size ? a->size < b->size : a->address < b->address;
-}
-
 template <typename F>
 void Pool::update(StatArray& stat, StatType type, F&& op) {
   op(stat[kAggregate]);
@@ -88,9 +84,8 @@ void Pool::delete_block(Block* block) {
   spare_blocks_.push_back(block);
 }
 
-Pool::Arena& Pool::arena_for(StreamId stream, bool small) {
-  Arena*& last = last_arena_[small];  // most calls repeat the previous stream
-  if (last && last->stream == stream) return *last;
+Pool::Arena& Pool::find_arena(StreamId stream, bool small) {
+  Arena*& last = last_arena_[small];
   for (auto& a : arenas_)
     if (a->stream == stream && a->small == small) return *(last = a.get());
   arenas_.push_back(std::make_unique<Arena>());
@@ -171,7 +166,7 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   };
   bool mapped;
   try {
-    mapped = !block->region->paged || ensure_mapped(block);
+    mapped = !block->region->paged || below_mapped_limit(block) || ensure_mapped(block);
   } catch (...) {
     give_back();  // a driver error other than OOM: the pool stays consistent, the caller hears of it
     throw;
@@ -256,14 +251,20 @@ Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t by
   return r;
 }
 
+// Whether all the block's pages are mapped, cheaply (no division, inlined): no page below
+// mapped_limit was ever given back, and the block lies below it.
+inline bool Pool::below_mapped_limit(const Block* block) {
+  const Region* r = block->region;
+  return r->holes == 0 && block->address + block->size <= r->base + r->mapped_limit * r->page;
+}
+
 // Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
 // mapped and accounted as reserved; the caller returns the block to the free set.
 bool Pool::ensure_mapped(Block* block) {
+  if (below_mapped_limit(block)) return true;
   Region* region = block->region;
   std::size_t first = (block->address - region->base) / region->page;
   std::size_t last = (block->address + block->size - 1 - region->base) / region->page;
-  // Fast path: no page below mapped_limit was ever given back, and the block lies below it.
-  if (region->holes == 0 && last < region->mapped_limit) return true;
   std::size_t missing = 0;
   for (std::size_t p = first; p <= last; ++p) missing += !region->page_mapped[p];
   if (missing == 0) return true;
@@ -317,7 +318,8 @@ void Pool::split(Block* block, std::size_t size) {
   if (block->next) block->next->prev = rest;
   block->next = rest;
   block->size = size;
-  insert_free(rest);
+  // Nothing to merge: `block` is taken, and the next block was not free (free neighbours are merged).
+  block->region->arena->free_blocks.insert(rest);
 }
 
 // Puts a free block into its arena's set, merged with free neighbours first.
@@ -493,11 +495,9 @@ std::size_t Pool::release_cached_units(std::size_t target) {
     if (released >= target) break;
     if (upstream_->kind() == UpstreamKind::kPages) {
       std::vector<Block*> candidates;  // only the large blocks can hold a whole page
-      const auto& large = arena.free_blocks.large();
-      for (auto it = large.rbegin(); it != large.rend(); ++it) {
-        if ((*it)->size < (*it)->region->page) break;
-        candidates.push_back(*it);
-      }
+      arena.free_blocks.for_each_large_largest_first([&](Block* b) {
+        if (b->size >= b->region->page) candidates.push_back(b);
+      });
       for (Block* b : candidates) {
         if (released >= target) break;
         released += release_pages_of(b, target - released);
@@ -783,7 +783,7 @@ void Pool::validate() const {
       if (expect != region->base + region->size) fail("blocks do not cover their region");
     }
     if (free_in_arena != arena->free_blocks.size()) fail("free index holds blocks not in any region");
-    if (!arena->free_blocks.bins_consistent()) fail("a free bin's list or bitmap is inconsistent");
+    if (!arena->free_blocks.consistent()) fail("a free bin's or size class's list or bitmap is inconsistent");
   }
   if (live_seen != live_.size()) fail("address map holds blocks not in any region");
   std::size_t pending_blocks = 0;

@@ -2,9 +2,9 @@
 //  - Requests are rounded to 512 bytes. Those up to 1 MiB go to a "small" arena, the rest to a "large"
 //    one; each stream has its own pair of arenas, so a block freed on stream S is reused at once on S
 //    and never handed to another stream while S may still use it.
-//  - An arena's free blocks sit in a free index (exact-size bins up to 1 MiB, a set ordered by size
-//    and address above): allocation takes the best fit and splits it; free coalesces with free
-//    neighbours of the same region.
+//  - An arena's free blocks sit in a free index (exact-size bins up to 1 MiB, sorted size class lists
+//    above, lowest address first among equal sizes): allocation takes the best fit and splits it;
+//    free coalesces with free neighbours of the same region.
 //  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range four times the device,
 //    whose pages (the upstream's 2 MiB granularity in small arenas, 8 MiB by default in large ones;
 //    one physical allocation each) are mapped when a block first needs them. Free pages anywhere in
@@ -29,14 +29,12 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <vector>
 
 #include "address_map.hpp"
 #include "errors.hpp"
 #include "free_index.hpp"
-#include "node_cache.hpp"
 #include "stats.hpp"
 #include "types.hpp"
 #include "upstream.hpp"
@@ -129,10 +127,6 @@ class Pool {
   struct Region;
   struct Arena;
   struct Block;
-  struct BySizeThenAddress {
-    bool operator()(const Block* a, const Block* b) const;
-  };
-  using FreeSet = std::set<Block*, BySizeThenAddress, CachedNodeAllocator<Block*>>;
   struct Block {
     std::uintptr_t address = 0;
     std::size_t size = 0;
@@ -143,10 +137,9 @@ class Pool {
     BlockInfo::State state = BlockInfo::kFree;
     std::uint32_t pending_events = 0;
     std::vector<StreamId> extra_streams;
-    // Where it sits in its arena's free index while free: a bin's list, or a set position.
+    // Its neighbours in its arena's free index while free (a bin's or a size class's list).
     Block* bin_prev = nullptr;
     Block* bin_next = nullptr;
-    FreeSet::iterator position;
   };
   struct Region {
     std::uintptr_t base = 0;
@@ -164,8 +157,7 @@ class Pool {
     StreamId stream = 0;
     bool small = false;
     std::vector<std::unique_ptr<Region>> regions;
-    NodeCache nodes;  // recycles the set's nodes: the hot path never calls malloc
-    FreeIndex<Block, FreeSet> free_blocks{FreeSet(BySizeThenAddress(), CachedNodeAllocator<Block*>(&nodes))};
+    FreeIndex<Block> free_blocks;
   };
   struct PendingFree {
     Block* block;
@@ -173,11 +165,16 @@ class Pool {
   };
 
   std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);
-  Arena& arena_for(StreamId stream, bool small);
+  Arena& arena_for(StreamId stream, bool small) {
+    Arena* last = last_arena_[small];  // most calls repeat the previous stream: inline, no call
+    return last && last->stream == stream ? *last : find_arena(stream, small);
+  }
+  Arena& find_arena(StreamId stream, bool small);  // finds or adds it, and remembers it as the last
   Block* take_free_block(Arena& arena, std::size_t rounded);
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);
+  static bool below_mapped_limit(const Block* block);
   bool ensure_mapped(Block* block);
   bool make_room(std::size_t bytes);
   std::size_t release_cached(std::size_t target, bool rethrow = false);

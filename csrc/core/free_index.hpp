@@ -1,8 +1,8 @@
 // The free blocks of one arena, found by size. Blocks up to kBinnedLimit sit in exact-size bins
 // (512-byte steps; doubly linked lists, with a bitmap of the non-empty bins), so inserting, removing
 // and finding the best fit for them is O(1) and touches no allocator; larger blocks sit in sorted size
-// class lists (size_class_lists.hpp), which give the same best fit as an ordered set by (size,
-// address) without a tree's allocations and pointer chasing.
+// class lists (size_class_lists.hpp), which give a true best fit without a tree's allocations and
+// pointer chasing.
 #pragma once
 
 #include <array>

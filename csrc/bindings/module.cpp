@@ -48,7 +48,7 @@ UpstreamKind parse_kind(const std::string& kind) {
 ReleasePolicy parse_release(const std::string& release) {
   if (release == "high_water") return ReleasePolicy::kHighWater;
   if (release == "lazy") return ReleasePolicy::kLazy;
-  throw InvalidArgument("release must be 'high_water' or 'never', got '" + release + "'");
+  throw InvalidArgument("release must be 'lazy' or 'high_water', got '" + release + "'");
 }
 
 py::dict stat_dict(const Stat& s) {

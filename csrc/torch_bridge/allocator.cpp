@@ -373,21 +373,24 @@ void* GpumemAllocator::malloc_on(std::size_t size, int device, cudaStream_t stre
   }
   Pool& pool = main_pool(device);
   std::uintptr_t p = 0;
-  try {
+  {
     MaybeRelaxed relaxed(routing);
-    p = pool.allocate(size, reinterpret_cast<StreamId>(stream));
-  } catch (const OutOfMemoryError& e) {
-    raise_oom(device, e, stream);
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const InvalidArgument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
+    p = pool_allocate(pool, size, device, stream);
   }
   if (C10_UNLIKELY(tracing_.load(std::memory_order_relaxed)))
     trace_alloc(device, p, size, stream, kDefaultPool);
   return reinterpret_cast<void*>(p);
+}
+
+std::uintptr_t GpumemAllocator::pool_allocate(Pool& pool, std::size_t size, int device,
+                                              cudaStream_t stream) {
+  return translate([&]() -> std::uintptr_t {
+    try {
+      return pool.allocate(size, reinterpret_cast<StreamId>(stream));
+    } catch (const OutOfMemoryError& e) {
+      raise_oom(device, e, stream);  // torch.cuda.OutOfMemoryError, after the OOM observers
+    }
+  });
 }
 
 std::shared_ptr<PrivatePool> GpumemAllocator::route(int device, cudaStream_t stream) {
@@ -402,30 +405,19 @@ void* GpumemAllocator::alloc_private(PrivatePool& pp, std::size_t size, cudaStre
   std::shared_ptr<PrivatePool> keep;
   {
     MaybeRelaxed relaxed(true);
-    try {
-      if (pp.external) {
-        p = reinterpret_cast<std::uintptr_t>(pp.external->raw_alloc_with_stream(size, stream));
-        TORCH_CHECK_WITH(OutOfMemoryError, p != 0, "gpumem: the allocator of MemPool (",
-                         pp.id.first, ", ", pp.id.second, ") returned no memory for ", size, " bytes");
-      } else {
-        Pool* pool;
-        {
-          std::lock_guard<std::mutex> lock(pp.mutex);
-          // Private pools never give memory back on their own: a graph's memory must stay mapped
-          // until the graph is released.
-          if (!pp.pool) pp.pool = make_pool(pp.device, ReleasePolicy::kLazy, 0);
-          pool = pp.pool.get();
-        }
-        p = pool->allocate(size, reinterpret_cast<StreamId>(stream));
-      }
-    } catch (const OutOfMemoryError& e) {
-      raise_oom(pp.device, e, stream);
-    } catch (const c10::Error&) {
-      throw;
-    } catch (const InvalidArgument& e) {
-      TORCH_CHECK_VALUE(false, e.what());
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, e.what());
+    if (pp.external) {
+      p = translate([&] { return reinterpret_cast<std::uintptr_t>(pp.external->raw_alloc_with_stream(size, stream)); });
+      TORCH_CHECK_WITH(OutOfMemoryError, p != 0, "gpumem: the allocator of MemPool (",
+                       pp.id.first, ", ", pp.id.second, ") returned no memory for ", size, " bytes");
+    } else {
+      Pool* pool = translate([&] {
+        std::lock_guard<std::mutex> lock(pp.mutex);
+        // Private pools never give memory back on their own: a graph's memory must stay mapped
+        // until the graph is released.
+        if (!pp.pool) pp.pool = make_pool(pp.device, ReleasePolicy::kLazy, 0);
+        return pp.pool.get();
+      });
+      p = pool_allocate(*pool, size, pp.device, stream);
     }
   }
   {

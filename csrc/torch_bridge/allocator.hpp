@@ -203,6 +203,8 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::unique_ptr<Pool> make_pool(int device, ReleasePolicy release, std::size_t cap_bytes);
   std::shared_ptr<PrivatePool> route(int device, cudaStream_t stream);
   void* alloc_private(PrivatePool& pp, std::size_t size, cudaStream_t stream);
+  // pool.allocate with the core's errors as torch's (OOM: torch.cuda.OutOfMemoryError).
+  std::uintptr_t pool_allocate(Pool& pool, std::size_t size, int device, cudaStream_t stream);
   std::shared_ptr<PrivatePool> find_private(int device, MempoolId id);
   std::shared_ptr<PrivatePool> create_or_incref(int device, MempoolId id);
   bool try_free_main(int device, std::uintptr_t p);

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The GPU machine's checks in phases, so a session with little device time runs them in few calls.
+# Every phase writes its logs to $OUT (default /tmp/gpumem-out) and prints a short summary.
+#
+#   bash bench/gpu_session.sh build            # install carried wheels (.whl), build gpumem
+#   bash bench/gpu_session.sh suite [ARGS]     # the GPU test suite, or pytest ARGS (2-GPU tests need 2 GPUs)
+#   bash bench/gpu_session.sh sanitizer        # the suite under compute-sanitizer memcheck, alone
+#   bash bench/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
+#   bash bench/gpu_session.sh batch [ALLOC]    # batch_size_bench (gpt, cnn) with ALLOC's allocator
+#   bash bench/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
+#   bash bench/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
+#   bash bench/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
+#
+# The soak outlasts one call (10 minutes of steps plus start-up), so soak-start detaches it (setsid)
+# and soak-collect, in a call made while the machine is still warm, picks it up. The workloads file
+# is read from .carry/workloads.py (copy ../shared/bench/workloads.py there and carry .carry).
+# Phases that measure speed must not share a GPU with another phase.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpumem-out}
+SOAK=/tmp/gpumem-soak
+WORKLOADS=.carry
+mkdir -p "$OUT"
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
+
+case "${1:-}" in
+  build)
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    fi
+    python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+    python3 -c "import gpumem; print(gpumem.status_line())"
+    ;;
+  suite)
+    shift
+    python3 -m pytest -m gpu -p no:cacheprovider -rfEs -q "${@:-tests/gpu}" > "$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_tests.log" | tail -20
+    exit $rc
+    ;;
+  sanitizer)
+    LOG_DIR="$OUT/cs" bash bench/compute_sanitizer.sh -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/cs.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR)|passed|failed|memcheck:" "$OUT/cs.log" | tail -20
+    exit $rc
+    ;;
+  compare)
+    n=$(gpus)
+    for ((g = 0; g < n; g++)); do
+      CUDA_VISIBLE_DEVICES=$g python3 bench/compare_allocators.py --workloads $WORKLOADS/workloads.py \
+        --rounds "${ROUNDS:-2}" > "$OUT/compare$g.log" 2>&1 &
+    done
+    wait
+    for ((g = 0; g < n; g++)); do echo "GPU $g"; grep -vE "^(round|\{)" "$OUT/compare$g.log"; done
+    ;;
+  batch)
+    python3 bench/batch_size_bench.py --allocator "${2:-gpumem}" > "$OUT/batch_${2:-gpumem}.log" 2>&1
+    rc=$?
+    grep -E "^(gpt|cnn) |^finder|^(gpumem|lightning)|^targets|Error" "$OUT/batch_${2:-gpumem}.log"
+    exit $rc
+    ;;
+  ddp)
+    torchrun --standalone --nproc_per_node "$(gpus)" bench/soak.py --ddp --allocator gpumem --minutes 1.5 \
+      --workloads $WORKLOADS --out "$OUT/soak_ddp.json" > "$OUT/ddp.log" 2>&1
+    rc=$?
+    grep -E "^\[rank|Error" "$OUT/ddp.log" | cut -c1-400
+    exit $rc
+    ;;
+  soak-start)
+    rm -rf "$SOAK" && mkdir -p "$SOAK"
+    last=$(( $(gpus) - 1 ))
+    setsid bash -c "CUDA_VISIBLE_DEVICES=0 python3 bench/soak.py --allocator gpumem --minutes 10 \
+        --workloads $WORKLOADS --out $SOAK/soak_gpumem.json > $SOAK/soak_gpumem.log 2>&1; touch $SOAK/gpumem.done" \
+      < /dev/null > /dev/null 2>&1 &
+    # The reference for the bitwise loss comparison needs fewer steps; on its own GPU it runs alongside.
+    setsid bash -c "CUDA_VISIBLE_DEVICES=$last python3 bench/soak.py --allocator native --minutes ${NATIVE_MINUTES:-3} \
+        --workloads $WORKLOADS --out $SOAK/soak_native.json > $SOAK/soak_native.log 2>&1; touch $SOAK/native.done" \
+      < /dev/null > /dev/null 2>&1 &
+    echo "soak started at $(date -u +%T); collect after $(date -u -d '+11 min' +%T)"
+    ;;
+  soak-collect)
+    [ -d "$SOAK" ] || { echo "no soak on this machine (a fresh machine: the soak was lost)"; exit 3; }
+    deadline=$(( SECONDS + ${WAIT_S:-560} ))
+    while [ ! -f "$SOAK/gpumem.done" ] || [ ! -f "$SOAK/native.done" ]; do
+      [ $SECONDS -ge $deadline ] && { echo "soak not finished; collect again"; tail -2 "$SOAK"/*.log; exit 4; }
+      sleep 5
+    done
+    tail -2 "$SOAK/soak_gpumem.log" "$SOAK/soak_native.log" | cut -c1-1500
+    python3 bench/soak.py --compare "$SOAK/soak_gpumem.json" "$SOAK/soak_native.json" | tee "$OUT/soak_compare.json"
+    cp "$SOAK"/*.log "$OUT/"
+    ;;
+  *)
+    sed -n '2,17p' "$0"
+    exit 2
+    ;;
+esac

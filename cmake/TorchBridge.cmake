@@ -32,6 +32,12 @@ else()
     # that objects of torch's registered types (its allocator handles) pass between the modules.
     Python_add_library(_bridge MODULE WITH_SOABI ${GPUMEM_BRIDGE_SOURCES})
     set_target_properties(_bridge PROPERTIES CXX_VISIBILITY_PRESET hidden)
+    # torch's headers need C++20 from 2.12 on (std::strong_ordering in c10); 2.11 and older build
+    # with the project's C++17, as measured on the GPU machine.
+    string(REGEX MATCH "^[0-9]+\\.[0-9]+" GPUMEM_TORCH_MAJOR_MINOR "${GPUMEM_TORCH_VERSION}")
+    if(GPUMEM_TORCH_MAJOR_MINOR VERSION_GREATER_EQUAL 2.12)
+      set_target_properties(_bridge PROPERTIES CXX_STANDARD 20)
+    endif()
     target_include_directories(_bridge PRIVATE ${GPUMEM_TORCH_INCLUDES} ${GPUMEM_CUDA_INCLUDE})
     target_compile_definitions(_bridge PRIVATE _GLIBCXX_USE_CXX11_ABI=${GPUMEM_TORCH_ABI} USE_CUDA=1)
     target_link_directories(_bridge PRIVATE ${GPUMEM_TORCH_LIBDIR})

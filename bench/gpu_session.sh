@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_session.sh build            # install carried wheels (.whl), build gpumem
 #   bash bench/gpu_session.sh suite [ARGS]     # the GPU test suite, or pytest ARGS (2-GPU tests need 2 GPUs)
-#   bash bench/gpu_session.sh sanitizer        # the suite under compute-sanitizer memcheck, alone
+#   bash bench/gpu_session.sh sanitizer [TESTS] # the suite (or TESTS) under compute-sanitizer memcheck, alone
 #   bash bench/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
 #   bash bench/gpu_session.sh batch [ALLOC]    # batch_size_bench (gpt, cnn) with ALLOC's allocator
 #   bash bench/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
@@ -40,7 +40,9 @@ case "${1:-}" in
     exit $rc
     ;;
   sanitizer)
-    LOG_DIR="$OUT/cs" bash bench/compute_sanitizer.sh -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/cs.log" 2>&1
+    shift
+    LOG_DIR="$OUT/cs" bash bench/compute_sanitizer.sh -m gpu -q -rfE -p no:cacheprovider "${@:-tests/gpu}" \
+      > "$OUT/cs.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed|memcheck:" "$OUT/cs.log" | tail -20
     exit $rc
@@ -86,7 +88,7 @@ case "${1:-}" in
       [ $SECONDS -ge $deadline ] && { echo "soak not finished; collect again"; tail -2 "$SOAK"/*.log; exit 4; }
       sleep 5
     done
-    tail -2 "$SOAK/soak_gpumem.log" "$SOAK/soak_native.log" | cut -c1-1500
+    tail -n 2 "$SOAK/soak_gpumem.log" "$SOAK/soak_native.log" | cut -c1-1500
     python3 bench/soak.py --compare "$SOAK/soak_gpumem.json" "$SOAK/soak_native.json" | tee "$OUT/soak_compare.json"
     cp "$SOAK"/*.log "$OUT/"
     ;;

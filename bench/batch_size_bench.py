@@ -165,29 +165,8 @@ def child(a):
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        if a.child == "gpumem_step":
-            # The benchmark's own step (the one "fits" is defined by), given through step_fn.
-            import gpumem
-
-            opt = torch.optim.AdamW(net.parameters())
-            res = gpumem.find_batch_size(net, step_fn=lambda b: train_step(a.model, net, opt, b),
-                                         optimizer=opt, margin=a.margin)
-            del opt
-            batch = res.batch_size
-            out.update(trials=len(res.trials), failed_trials=sum(not t.fits for t in res.trials),
-                       predicted_peak=res.predicted_peak_bytes, measured_peak=res.measured_peak_bytes,
-                       bytes_per_sample=res.bytes_per_sample, target_bytes=res.target_bytes,
-                       trial_sizes=[(t.batch_size, t.outcome) for t in res.trials])
-        elif a.child == "gpumem":
-            import gpumem
-
-            kw = dict(dtype=torch.long, input_range=(0, VOCAB)) if a.model == "gpt" else {}
-            shape = (SEQ,) if a.model == "gpt" else (3, 128, 128)
-            res = gpumem.find_batch_size(net, shape, autocast=torch.bfloat16, optimizer=torch.optim.AdamW,
-                                         loss_fn=lambda o, x: loss_of(a.model, o, x if a.model == "gpt" else
-                                                                      torch.randint(0, 1000, (x.shape[0],),
-                                                                                    device="cuda")),
-                                         margin=a.margin, **kw)
+        if a.child.startswith("gpumem"):
+            res = gpumem_find(a, net)
             batch = res.batch_size
             out.update(trials=len(res.trials), failed_trials=sum(not t.fits for t in res.trials),
                        predicted_peak=res.predicted_peak_bytes, measured_peak=res.measured_peak_bytes,
@@ -202,6 +181,26 @@ def child(a):
         out.update(batch=batch, seconds=seconds, reserved_before=before, reserved_after=after,
                    fits_same_process=fits_here(a.model, net, batch))
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def gpumem_find(a, net):
+    """gpumem.find_batch_size as the finder a.child names: gpumem_step gets the benchmark's own step
+    (the one "fits" is defined by) through step_fn; gpumem uses its built-in step."""
+    import torch
+
+    import gpumem
+
+    if a.child == "gpumem_step":
+        opt = torch.optim.AdamW(net.parameters())
+        return gpumem.find_batch_size(net, step_fn=lambda b: train_step(a.model, net, opt, b),
+                                      optimizer=opt, margin=a.margin)
+    kw = dict(dtype=torch.long, input_range=(0, VOCAB)) if a.model == "gpt" else {}
+    shape = (SEQ,) if a.model == "gpt" else (3, 128, 128)
+    return gpumem.find_batch_size(net, shape, autocast=torch.bfloat16, optimizer=torch.optim.AdamW,
+                                  loss_fn=lambda o, x: loss_of(a.model, o, x if a.model == "gpt" else
+                                                               torch.randint(0, 1000, (x.shape[0],),
+                                                                             device="cuda")),
+                                  margin=a.margin, **kw)
 
 
 def lightning_find(kind, net, mode):

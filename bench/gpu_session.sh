@@ -85,7 +85,7 @@ case "${1:-}" in
     [ -d "$SOAK" ] || { echo "no soak on this machine (a fresh machine: the soak was lost)"; exit 3; }
     deadline=$(( SECONDS + ${WAIT_S:-560} ))
     while [ ! -f "$SOAK/gpumem.done" ] || [ ! -f "$SOAK/native.done" ]; do
-      [ $SECONDS -ge $deadline ] && { echo "soak not finished; collect again"; tail -2 "$SOAK"/*.log; exit 4; }
+      [ $SECONDS -ge $deadline ] && { echo "soak not finished; collect again"; tail -n 2 "$SOAK"/*.log; exit 4; }
       sleep 5
     done
     tail -n 2 "$SOAK/soak_gpumem.log" "$SOAK/soak_native.log" | cut -c1-1500

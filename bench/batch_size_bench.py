@@ -62,25 +62,9 @@ def build(kind):
 
     torch.manual_seed(0)
     if kind == "gpt":
-        class GPT(nn.Module):
-            """workloads.py's GPT: pre-norm transformer LM, 217M parameters at the defaults."""
+        from models import GPT  # bench/models.py, beside this script
 
-            def __init__(self, vocab=VOCAB, d=1024, layers=12, heads=16):
-                super().__init__()
-                self.emb = nn.Embedding(vocab, d)
-                self.blocks = nn.ModuleList(
-                    nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-                    for _ in range(layers))
-                self.head = nn.Linear(d, vocab, bias=False)
-
-            def forward(self, ids):
-                x = self.emb(ids)
-                mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device, dtype=x.dtype)
-                for b in self.blocks:
-                    x = b(x, src_mask=mask, is_causal=True)
-                return self.head(x)
-
-        return GPT()
+        return GPT(vocab=VOCAB)
 
     def block(i, o, stride):
         return nn.Sequential(

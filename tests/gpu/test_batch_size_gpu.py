@@ -15,6 +15,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))  # bench/models.py
 BUDGET = 3 << 30  # the per-process budget of the subprocess tests: 3 GiB
 SEQ = 256
 
@@ -22,23 +23,11 @@ SEQ = 256
 def _models():
     import torch.nn as nn
 
-    class SmallGPT(nn.Module):
+    from models import GPT  # bench/models.py: workloads.py's GPT
+
+    def SmallGPT():
         """The shape of workloads.py's GPT, small: 4 layers, d=256, vocab 8000."""
-
-        def __init__(self, vocab=8000, d=256, layers=4, heads=4):
-            super().__init__()
-            self.emb = nn.Embedding(vocab, d)
-            self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-                for _ in range(layers))
-            self.head = nn.Linear(d, vocab, bias=False)
-
-        def forward(self, ids):
-            x = self.emb(ids)
-            mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device, dtype=x.dtype)
-            for b in self.blocks:
-                x = b(x, src_mask=mask, is_causal=True)
-            return self.head(x)
+        return GPT(vocab=8000, d=256, layers=4, heads=4)
 
     def cnn():
         def block(i, o):

@@ -44,7 +44,7 @@ case "${1:-}" in
     LOG_DIR="$OUT/cs" bash bench/compute_sanitizer.sh -m gpu -q -rfE -p no:cacheprovider "${@:-tests/gpu}" \
       > "$OUT/cs.log" 2>&1
     rc=$?
-    grep -E "^(FAILED|ERROR)|passed|failed|memcheck:" "$OUT/cs.log" | tail -20
+    grep -E "^(FAILED|ERROR)|passed|failed|memcheck:|\[(api|memory|other|untracked)\]" "$OUT/cs.log" | tail -20
     exit $rc
     ;;
   compare)

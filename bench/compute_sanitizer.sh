@@ -13,10 +13,8 @@
 #                            reports at exit list cached memory; off by default)
 #   LOG_DIR                  where the per-process logs go (default: $OUT/compute-sanitizer if $OUT is
 #                            set, else build/compute-sanitizer)
-# Exit status: 0 only when pytest passed and memcheck reported no memory-access error and no CUDA API
-# error other than "out of memory" (the OOM tests provoke those on purpose; they are counted apart),
-# and tracked every kernel launch (a launch it could not track, e.g. for lack of device memory, is
-# one it did not check).
+# Exit status: 0 only when pytest passed and memcheck reported no memory-access error, no CUDA API
+# error other than "out of memory" and no launch it could not track (bench/sanitizer_summary.py).
 #
 # Flags, and why:
 #   --target-processes all   pytest, torch's compile workers and torchrun children are all checked
@@ -78,41 +76,4 @@ start=$(date +%s)
 rc=$?
 elapsed=$(( $(date +%s) - start ))
 
-python - "$LOG_DIR" "$rc" "$elapsed" <<'EOF'
-import collections, glob, os, re, sys
-log_dir, rc, elapsed = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-errors = memory = other = untracked = 0
-api = collections.Counter()  # (error, call) -> count
-examples = []
-OOM = ("CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation")
-logs = sorted(glob.glob(os.path.join(log_dir, "memcheck.*.log")))
-for path in logs:
-    text = open(path, errors="replace").read()
-    for m in re.finditer(r"ERROR SUMMARY: (\d+) error", text):
-        errors += int(m.group(1))
-    for line in text.splitlines():
-        body = line.removeprefix("=========").strip()
-        # the first line of each report; the lines under it (at, by thread, Address ...) are its detail
-        if re.match(r"(Invalid|Misaligned|Out-of-range|Malloc/Free|Hardware exception|Cuda memcheck|Warp|Lane)",
-                    body, re.I):
-            memory += 1
-            examples.append(f"  [memory] {body}")
-        elif m := re.match(r"Program hit (\S+) .* on CUDA API call to (\S+?)\.?$", body):
-            api[m.groups()] += 1
-        elif body.startswith("Internal Sanitizer Error") and "didn't track the launch" in body:
-            # the tool itself ran short (of device memory, say): that launch went unchecked
-            untracked += 1
-            if untracked <= 3:
-                examples.append(f"  [untracked] {body[:300]}")
-        elif body.startswith(("Error:", "Leaked")):
-            other += 1
-            examples.append(f"  [other] {body}")
-print("\n".join(examples[:20]))
-for (err, call), n in api.most_common():
-    print(f"  [api] {n} x {err} from {call}" + ("  (out of memory: expected from the OOM tests)" if err in OOM else ""))
-unexpected = sum(n for (err, _), n in api.items() if err not in OOM)
-print(f"compute-sanitizer memcheck: {errors} errors in {len(logs)} log(s) over every process the run started "
-      f"({memory} memory access, {sum(api.values())} CUDA API errors of which {unexpected} not out-of-memory, "
-      f"{other} other, {untracked} kernel launches the tool could not track); pytest exit {rc}; {elapsed} s")
-sys.exit(0 if rc == 0 and memory == 0 and other == 0 and unexpected == 0 and untracked == 0 else 1)
-EOF
+python bench/sanitizer_summary.py "$LOG_DIR" "$rc" "$elapsed"

@@ -147,13 +147,23 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
 
 std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, StreamId stream) {
   if (!pending_.empty()) recycle_completed();  // what other streams finished with, before looking
-  if (rounded > effective_cap()) return 0;
+  if (rounded > effective_cap_locked()) return 0;
   Arena& arena = arena_for(stream, rounded <= kSmallLimit);
   Block* block = take_free_block(arena, rounded);
   if (!block) return 0;
   block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
   block->requested = requested;
   split(block, rounded);
+  return commit_allocation(block, /*release_and_retry=*/false) ? block->address : 0;
+}
+
+// Maps the pages of a block just taken out of the free set (state allocated, requested set, split to
+// its size) and accounts it as allocated. `release_and_retry`: when the pages cannot be mapped,
+// release the cached pages of the pool (none of this block's: it is out of the free set) and try once
+// more; allocate() instead retries from the start, where another block may fit. On failure (false,
+// or a driver error other than OOM, which is rethrown) the block goes back to the free set, merged
+// with its free neighbours as before.
+bool Pool::commit_allocation(Block* block, bool release_and_retry) {
   // The high-water release policy counts this block as live while it maps its pages.
   const std::size_t previous_live_high_water = live_high_water_;
   live_high_water_ = std::max<std::size_t>(
@@ -167,23 +177,29 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   bool mapped;
   try {
     mapped = !block->region->paged || below_mapped_limit(block) || ensure_mapped(block);
+    if (!mapped && release_and_retry) {
+      stats_.num_alloc_retries++;
+      release_cached(std::numeric_limits<std::size_t>::max());
+      mapped = ensure_mapped(block);
+    }
   } catch (...) {
     give_back();  // a driver error other than OOM: the pool stays consistent, the caller hears of it
     throw;
   }
   if (!mapped) {
     give_back();
-    return 0;
+    return false;
   }
   StatType type = pool_of(block->region);
   const std::int64_t size = static_cast<std::int64_t>(block->size);
+  const auto requested = static_cast<std::int64_t>(block->requested);
   update(stats_.allocation, type, [](Stat& s) { s.increase(1); });
   update(stats_.active, type, [](Stat& s) { s.increase(1); });
   update(stats_.allocated_bytes, type, [&](Stat& s) { s.increase(size); });
   update(stats_.active_bytes, type, [&](Stat& s) { s.increase(size); });
-  update(stats_.requested_bytes, type, [&](Stat& s) { s.increase(static_cast<std::int64_t>(requested)); });
+  update(stats_.requested_bytes, type, [&](Stat& s) { s.increase(requested); });
   live_.put(block->address, block);
-  return block->address;
+  return true;
 }
 
 // Best fit among the arena's free blocks; on a segments upstream, a new segment when none fits.
@@ -217,6 +233,7 @@ Pool::Region* Pool::add_segment(Arena& arena, std::size_t bytes) {
   stats_.num_device_alloc++;
   Region* r = add_region(arena, base, bytes, 0);
   add_reserved(r, static_cast<std::int64_t>(bytes));
+  notify(SegmentEvent::kSegmentAlloc, base, bytes, arena.stream);
   return r;
 }
 
@@ -285,6 +302,7 @@ bool Pool::ensure_mapped(Block* block) {
     region->holes += p > old_limit ? p - old_limit : 0;                      // gap left below
     region->mapped_limit = std::max(old_limit, run_end);
     add_reserved(region, static_cast<std::int64_t>(bytes));
+    notify(SegmentEvent::kMap, region->base + p * region->page, bytes, region->arena->stream);
     p = run_end;
   }
   return true;
@@ -299,7 +317,7 @@ bool Pool::make_room(std::size_t bytes) {
   if (options_.release == ReleasePolicy::kHighWater && reserved + bytes > allowed)
     release_cached(reserved + bytes - allowed);
   reserved = stats_.reserved_bytes[kAggregate].current;
-  const std::size_t cap = effective_cap();
+  const std::size_t cap = effective_cap_locked();
   if (reserved + bytes > cap) {
     release_cached(reserved + bytes - cap);
     reserved = stats_.reserved_bytes[kAggregate].current;
@@ -362,10 +380,22 @@ Pool::Block* Pool::find_live(std::uintptr_t address, const char* what) const {
 void Pool::free(std::uintptr_t address) {
   if (address == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (!free_locked(address)) find_live(address, "free");  // throws the message for a foreign or double free
+}
+
+bool Pool::try_free(std::uintptr_t address) {
+  if (address == 0) return false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return free_locked(address);
+}
+
+// Frees the live allocated block at `address`; false, changing nothing, when there is none.
+bool Pool::free_locked(std::uintptr_t address) {
   Block* block = nullptr;
-  if (!live_.take(address, &block) || block->state != BlockInfo::kAllocated) {
-    if (block) live_.put(address, block);  // a pending block: put it back untouched
-    find_live(address, "free");            // throws the message for a foreign or double free
+  if (!live_.take(address, &block)) return false;
+  if (block->state != BlockInfo::kAllocated) {
+    live_.put(address, block);  // a pending block: put it back untouched
+    return false;
   }
   StatType type = pool_of(block->region);
   const std::int64_t size = static_cast<std::int64_t>(block->size);
@@ -376,7 +406,7 @@ void Pool::free(std::uintptr_t address) {
   block->requested = 0;
   if (block->extra_streams.empty()) {
     return_to_arena(block);
-    return;
+    return true;
   }
   // Used on other streams too: reuse only once their work queued so far has completed.
   std::vector<EventId> events;
@@ -392,13 +422,14 @@ void Pool::free(std::uintptr_t address) {
     }
     block->extra_streams.clear();
     return_to_arena(block);
-    return;
+    return true;
   }
   live_.put(address, block);  // stays findable while its events are pending
   block->state = BlockInfo::kPending;
   for (EventId e : events) pending_.push_back(PendingFree{block, e});
   block->pending_events = static_cast<std::uint32_t>(events.size());
   block->extra_streams.clear();
+  return true;
 }
 
 void Pool::return_to_arena(Block* block) {
@@ -468,6 +499,7 @@ std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
     std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 0);
     region->holes += run_end - p;  // released pages always lie below mapped_limit
     add_reserved(region, -static_cast<std::int64_t>(bytes));
+    notify(SegmentEvent::kUnmap, region->base + p * region->page, bytes, region->arena->stream);
     released += bytes;
     p = run_end;
   }
@@ -522,6 +554,7 @@ std::size_t Pool::release_cached_units(std::size_t target) {
       arena.free_blocks.erase(b);
       delete_block(b);
       add_reserved(region, -static_cast<std::int64_t>(region->size));
+      notify(SegmentEvent::kSegmentFree, region->base, region->size, arena.stream);
       released += region->size;
       it = arena.regions.erase(it);
     }
@@ -549,7 +582,7 @@ void Pool::set_cap(std::size_t bytes) {
                           format_bytes(page_size_) + ")");
   options_.cap_bytes = bytes;
   const std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
-  if (reserved > effective_cap()) release_cached(reserved - effective_cap());
+  if (reserved > effective_cap_locked()) release_cached(reserved - effective_cap_locked());
 }
 
 std::size_t Pool::cap() const {
@@ -557,8 +590,41 @@ std::size_t Pool::cap() const {
   return options_.cap_bytes;
 }
 
+void Pool::set_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  limit_ = bytes;
+  // Cached pages go back down to the limit where they can; pages under live blocks stay.
+  const std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
+  if (reserved > effective_cap_locked()) release_cached(reserved - effective_cap_locked());
+}
+
+std::size_t Pool::limit() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return limit_;
+}
+
 std::size_t Pool::effective_cap() const {
-  return options_.cap_bytes ? options_.cap_bytes : upstream_->device_total_bytes();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return effective_cap_locked();
+}
+
+std::size_t Pool::allocated_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<std::size_t>(stats_.allocated_bytes[kAggregate].current);
+}
+
+std::size_t Pool::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
+}
+
+void Pool::set_segment_observer(SegmentObserver observer) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    observer_.swap(observer);
+  }
+  // The previous observer is destroyed here, without the lock: its destructor may need other locks
+  // (a Python callable's needs the GIL).
 }
 
 DeviceStats Pool::stats() const {
@@ -651,6 +717,15 @@ std::size_t Pool::allocation_size(std::uintptr_t address) const {
   return !found || (*found)->state != BlockInfo::kAllocated ? 0 : (*found)->size;
 }
 
+bool Pool::live_block(std::uintptr_t address, BlockInfo* out) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* const* found = live_.find(address);
+  if (!found || (*found)->state != BlockInfo::kAllocated) return false;
+  const Block* b = *found;
+  if (out) *out = BlockInfo{b->address, b->size, b->requested, b->state};
+  return true;
+}
+
 std::vector<RegionInfo> Pool::snapshot() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<RegionInfo> out;
@@ -693,18 +768,20 @@ void Pool::remove_oom_callback(int id) {
                        oom_callbacks_.end());
 }
 
-std::string Pool::oom_message(std::size_t requested, StreamId stream) const {
+std::string Pool::oom_message(std::size_t requested, StreamId stream, std::uintptr_t at) const {
   // Plain string building: iostreams crashed when a second libstdc++ was loaded in the process.
-  char stream_hex[32];
+  char stream_hex[32], at_hex[48] = "";
   std::snprintf(stream_hex, sizeof stream_hex, "0x%" PRIxPTR, stream);
+  if (at) std::snprintf(at_hex, sizeof at_hex, " at 0x%" PRIxPTR, at);
   const std::string cap = options_.cap_bytes
                               ? format_bytes(options_.cap_bytes)
-                              : "none (device total " + format_bytes(effective_cap()) + ")";
+                              : "none (device total " + format_bytes(upstream_->device_total_bytes()) + ")";
+  const std::string limit = limit_ == kNoLimit ? "" : ", limit " + format_bytes(limit_);
   return "gpumem: out of memory on device " + std::to_string(options_.device) + ": tried to allocate " +
-         format_bytes(requested) + " (stream " + stream_hex + "); " +
+         format_bytes(requested) + at_hex + " (stream " + stream_hex + "); " +
          format_bytes(stats_.allocated_bytes[kAggregate].current) + " held by live tensors, " +
          format_bytes(stats_.reserved_bytes[kAggregate].current) + " reserved by gpumem, cap " + cap +
-         ", device free " + format_bytes(upstream_->device_free_bytes()) + ", largest free block " +
+         limit + ", device free " + format_bytes(upstream_->device_free_bytes()) + ", largest free block " +
          format_bytes(largest_free_block_locked()) +
          ". Free tensors you no longer need, use a smaller batch (gpumem.find_batch_size), or raise "
          "the cap (GPUMEM_CONF=cap:...).";

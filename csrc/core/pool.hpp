@@ -21,6 +21,8 @@
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.
 //  - record_stream(ptr, S2) makes free() record an event on S2; the block is reused only after it.
+//  - allocate_at() carves a block at a given address out of free space (CUDA-graph checkpoints are
+//    restored by re-allocating blocks where they were); its code is in pool_allocate_at.cpp.
 #pragma once
 
 #include <cstddef>
@@ -67,6 +69,15 @@ struct BlockInfo {
   enum State { kFree, kAllocated, kPending } state;
 };
 
+// What the segment observer is told about (torch's memory history: segment_map / segment_unmap /
+// segment_alloc / segment_free).
+enum class SegmentEvent {
+  kMap,           // pages of a paged region were mapped: [address, address + bytes)
+  kUnmap,         // pages of a paged region were unmapped
+  kSegmentAlloc,  // a segment (cudaMalloc) was taken from the upstream
+  kSegmentFree,   // a segment was given back
+};
+
 // One region as seen from outside (torch's "segment" in memory snapshots).
 struct RegionInfo {
   std::uintptr_t address;
@@ -80,6 +91,9 @@ struct RegionInfo {
 class Pool {
  public:
   using OomCallback = std::function<void()>;
+  using SegmentObserver =
+      std::function<void(SegmentEvent event, std::uintptr_t address, std::size_t bytes, StreamId stream)>;
+  static constexpr std::size_t kNoLimit = SIZE_MAX;
 
   explicit Pool(std::shared_ptr<Upstream> upstream, PoolOptions options = {});
   ~Pool();
@@ -89,8 +103,24 @@ class Pool {
   // Returns an address aligned to 512 bytes, or 0 for a zero-byte request (which frees as a no-op).
   // @throws OutOfMemoryError when the memory cannot be had; InvalidArgument for absurd sizes.
   std::uintptr_t allocate(std::size_t bytes, StreamId stream);
+  // Allocates exactly [address, address + round_up(bytes, 512)) and returns `address`: the block is
+  // then what allocate() would have left (requested = bytes, same statistics), on the stream of the
+  // arena whose region holds the range. The range must lie in one region of this pool and inside one
+  // free block (pending frees whose events are done count as free). Pages it touches are mapped as
+  // allocate() maps them, under the cap and the limit; memory already mapped (or a segment) needs no
+  // room. For restoring CUDA-graph checkpoints: the bridge re-allocates blocks at their old addresses.
+  // Does not run the OOM callbacks.
+  // @throws InvalidArgument (nothing changed) for a misaligned address, a size of 0 or above
+  //   kMaxRequest, a range outside every region or overlapping a live or pending block.
+  // @throws OutOfMemoryError when the pages cannot be mapped even after releasing cached pages
+  //   elsewhere (never inside the range): no block changes; reserved may differ, as after allocate().
+  std::uintptr_t allocate_at(std::uintptr_t address, std::size_t bytes);
   // @throws InvalidArgument for a pointer this pool did not hand out or already freed.
   void free(std::uintptr_t address);
+  // free() for a pointer that may belong to another pool: false, changing nothing, when `address` is
+  // not a live allocated block of this pool (0 included); true when it was freed. The bridge probes
+  // its pools with one deleter, without paying for an exception per miss.
+  bool try_free(std::uintptr_t address);
   // Marks the block as used on `stream` as well: free() will wait for that stream's work.
   void record_stream(std::uintptr_t address, StreamId stream);
   // Polls pending events and recycles the blocks whose streams are done.
@@ -101,7 +131,13 @@ class Pool {
   // @throws InvalidArgument if `bytes` (non-zero) is below the bytes live blocks hold.
   void set_cap(std::size_t bytes);
   std::size_t cap() const;
-  std::size_t effective_cap() const;  // cap, or the device's total memory
+  // A bound on reserved bytes besides the cap, with torch's set_per_process_memory_fraction meaning:
+  // any value is accepted (0 and values below what live blocks hold included; kNoLimit removes it).
+  // Cached pages are released down to it at once where they can be; allocations that would reserve
+  // past it fail with OutOfMemoryError, and under a limit of 0 every allocate() does.
+  void set_limit(std::size_t bytes);
+  std::size_t limit() const;  // kNoLimit when none
+  std::size_t effective_cap() const;  // min(cap or the device's total memory, limit)
   ReleasePolicy release_policy() const { return options_.release; }
 
   DeviceStats stats() const;
@@ -112,6 +148,19 @@ class Pool {
   std::vector<RegionInfo> snapshot() const;
   // Size of the block at `address` if this pool handed it out and it is live, else 0.
   std::size_t allocation_size(std::uintptr_t address) const;
+  // True, filling *out (when not null), when `address` starts a live allocated block of this pool.
+  bool live_block(std::uintptr_t address, BlockInfo* out) const;
+  // The current aggregate allocated / reserved bytes, without the walk stats() makes (the bridge asks
+  // for them on every allocation it reports).
+  std::size_t allocated_bytes() const;
+  std::size_t reserved_bytes() const;
+
+  // Called after every successful map, unmap, segment allocation and segment free (including those
+  // of trim(), set_cap(), set_limit() and releases under the cap; not those of the destructor), for
+  // torch's memory history and NCCL's allocator trace trackers. It runs with the pool's lock held:
+  // it must not call back into this pool (that deadlocks) and should be quick; an exception it
+  // throws is ignored. An empty function removes it.
+  void set_segment_observer(SegmentObserver observer);
 
   int add_oom_callback(OomCallback callback);
   void remove_oom_callback(int id);
@@ -165,6 +214,11 @@ class Pool {
   };
 
   std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);
+  bool commit_allocation(Block* block, bool release_and_retry);
+  bool free_locked(std::uintptr_t address);
+  // allocate_at's helpers (pool_allocate_at.cpp).
+  Block* free_block_holding(std::uintptr_t address, std::size_t rounded, std::size_t bytes);
+  Block* carve(Block* free_block, std::uintptr_t address, std::size_t rounded);
   Arena& arena_for(StreamId stream, bool small) {
     Arena* last = last_arena_[small];  // most calls repeat the previous stream: inline, no call
     return last && last->stream == stream ? *last : find_arena(stream, small);
@@ -191,7 +245,20 @@ class Pool {
   std::size_t largest_free_block_locked() const;
   std::size_t backed_bytes(const Block* block) const;      // bytes of a free block on mapped pages
   std::size_t longest_backed_run(const Block* block) const;  // longest such run without a gap
-  std::string oom_message(std::size_t requested, StreamId stream) const;
+  std::size_t effective_cap_locked() const {
+    const std::size_t cap = options_.cap_bytes ? options_.cap_bytes : upstream_->device_total_bytes();
+    return cap < limit_ ? cap : limit_;
+  }
+  void notify(SegmentEvent event, std::uintptr_t address, std::size_t bytes, StreamId stream) {
+    if (!observer_) return;
+    try {
+      observer_(event, address, bytes, stream);
+    } catch (...) {
+      // Documented as ignored: the pool's state is already updated, and the caller did nothing wrong.
+    }
+  }
+  // `at` non-zero: the message names the address allocate_at() was asked for.
+  std::string oom_message(std::size_t requested, StreamId stream, std::uintptr_t at = 0) const;
   StatType pool_of(const Region* region) const { return region->arena->small ? kSmallPool : kLargePool; }
   template <typename F> void update(StatArray& stat, StatType type, F&& op);
 
@@ -210,6 +277,8 @@ class Pool {
   std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap
   std::vector<std::pair<int, OomCallback>> oom_callbacks_;
   int next_callback_id_ = 1;
+  std::size_t limit_ = kNoLimit;  // set_limit(); the cap is options_.cap_bytes
+  SegmentObserver observer_;
 };
 
 }  // namespace gpumem

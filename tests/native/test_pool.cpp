@@ -585,6 +585,419 @@ TEST(destroying_the_pool_returns_everything) {
   }
 }
 
+// ---- allocate_at, try_free, live_block, the limit, the segment observer -------------------------
+
+// The pool's observable state: statistics (current, peak, totals) and every block of every region.
+static std::string fingerprint(const Pool& pool, bool with_counters = true) {
+  DeviceStats st = pool.stats();
+  std::ostringstream o;
+  for (const StatArray* a : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
+                             &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes})
+    for (const Stat& x : *a) o << x.current << ',' << x.peak << ',' << x.allocated << ',' << x.freed << ';';
+  if (with_counters)
+    o << st.num_alloc_retries << ',' << st.num_ooms << ',' << st.num_device_alloc << ',' << st.num_device_free;
+  for (const RegionInfo& r : pool.snapshot()) {
+    o << '|' << r.address << ',' << r.size << ',' << r.reserved << ',' << r.stream;
+    for (const BlockInfo& b : r.blocks) o << ' ' << b.address << ',' << b.size << ',' << b.requested << ',' << b.state;
+  }
+  return o.str();
+}
+
+// The blocks of the region holding `address`, as (address, size, state) triples.
+static std::vector<BlockInfo> blocks_around(const Pool& pool, std::uintptr_t address) {
+  for (const RegionInfo& r : pool.snapshot())
+    if (address >= r.address && address < r.address + r.size) return r.blocks;
+  return {};
+}
+
+static std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(allocate_at_in_the_middle_at_the_start_and_at_the_end_of_a_free_block) {
+  for (UpstreamKind kind : kKinds) {
+    Setup s(kind, 256 * MiB, 0, ReleasePolicy::kLazy);
+    std::uintptr_t a = s.pool->allocate(8 << 20, 3), hole = s.pool->allocate(8 << 20, 3);
+    std::uintptr_t c = s.pool->allocate(4 << 20, 3);
+    s.pool->free(hole);  // an 8 MiB free block between a and c
+    const DeviceStats before = s.pool->stats();
+    const std::string layout_before = fingerprint(*s.pool, false);
+
+    // In the middle: three pieces.
+    const std::size_t bytes = (1 << 20) + 1000, rounded = round_up(bytes, 512);
+    CHECK_EQ(s.pool->allocate_at(hole + (2 << 20), bytes), hole + (2 << 20));
+    check_clean(*s.pool, *s.dev);
+    CHECK_EQ(s.pool->allocation_size(hole + (2 << 20)), rounded);
+    BlockInfo info{};
+    CHECK(s.pool->live_block(hole + (2 << 20), &info));
+    CHECK_EQ(info.address, hole + (2 << 20));
+    CHECK_EQ(info.size, rounded);
+    CHECK_EQ(info.requested, bytes);
+    CHECK(info.state == BlockInfo::kAllocated);
+    CHECK(!s.pool->live_block(hole, &info));
+    CHECK(!s.pool->live_block(hole + (2 << 20) + 512, nullptr));
+    DeviceStats st = s.pool->stats();
+    CHECK_EQ(cur(st.allocation), cur(before.allocation) + 1);
+    CHECK_EQ(cur(st.active), cur(before.active) + 1);
+    CHECK_EQ(cur(st.allocated_bytes), cur(before.allocated_bytes) + std::int64_t(rounded));
+    CHECK_EQ(cur(st.active_bytes), cur(before.active_bytes) + std::int64_t(rounded));
+    CHECK_EQ(cur(st.requested_bytes), cur(before.requested_bytes) + std::int64_t(bytes));
+    CHECK_EQ(st.allocation[kLargePool].current, before.allocation[kLargePool].current + 1);
+    CHECK_EQ(cur(st.reserved_bytes), cur(before.reserved_bytes));  // on memory already held
+    CHECK_EQ(s.pool->allocated_bytes(), std::size_t(cur(st.allocated_bytes)));
+    CHECK_EQ(s.pool->reserved_bytes(), std::size_t(cur(st.reserved_bytes)));
+    std::vector<BlockInfo> blocks = blocks_around(*s.pool, hole);
+    std::size_t i = 0;
+    while (blocks[i].address != hole) ++i;
+    CHECK_EQ(blocks[i].size, std::size_t(2 << 20));
+    CHECK(blocks[i].state == BlockInfo::kFree);
+    CHECK_EQ(blocks[i + 1].address, hole + (2 << 20));
+    CHECK(blocks[i + 1].state == BlockInfo::kAllocated);
+    CHECK_EQ(blocks[i + 2].address, hole + (2 << 20) + rounded);
+    CHECK_EQ(blocks[i + 2].size, (6u << 20) - rounded);
+    CHECK(blocks[i + 2].state == BlockInfo::kFree);
+    CHECK_EQ(blocks[i + 3].address, c);
+    // Its stream is the arena's: freed, it is reused on stream 3 at once.
+    for (const RegionInfo& r : s.pool->snapshot())
+      if (hole >= r.address && hole < r.address + r.size) CHECK_EQ(r.stream, StreamId(3));
+    s.pool->free(hole + (2 << 20));
+    CHECK_EQ(fingerprint(*s.pool, false).substr(fingerprint(*s.pool, false).find('|')),
+             layout_before.substr(layout_before.find('|')));  // merged back as it was
+
+    // At the start and at the end of the free block: two pieces each, then the whole block.
+    CHECK_EQ(s.pool->allocate_at(hole, 512), hole);
+    CHECK_EQ(s.pool->allocate_at(hole + (8 << 20) - (1 << 20), 1 << 20), hole + (7 << 20));
+    check_clean(*s.pool, *s.dev);
+    blocks = blocks_around(*s.pool, hole);
+    i = 0;
+    while (blocks[i].address != hole) ++i;
+    CHECK(blocks[i - 1].address == a && blocks[i].size == 512 && blocks[i].state == BlockInfo::kAllocated);
+    CHECK(blocks[i + 1].size == (7u << 20) - 512 && blocks[i + 1].state == BlockInfo::kFree);
+    CHECK(blocks[i + 2].address == hole + (7 << 20) && blocks[i + 2].state == BlockInfo::kAllocated);
+    CHECK_EQ(blocks[i + 3].address, c);
+    CHECK_EQ(s.pool->allocate_at(hole + 512, (7 << 20) - 512), hole + 512);  // exactly the free block
+    check_clean(*s.pool, *s.dev);
+    // The same address on another stream is simply reused by allocate on stream 3 after a free.
+    s.pool->free(hole + 512);
+    CHECK_EQ(s.pool->allocate((7 << 20) - 512, 3), hole + 512);
+    for (std::uintptr_t p : {a, c, hole, hole + 512, hole + (7 << 20)}) s.pool->free(p);
+    check_empty_after_trim(*s.pool, *s.dev);
+  }
+}
+
+TEST(allocate_at_refusals_change_nothing) {
+  for (UpstreamKind kind : kKinds) {
+    Setup s(kind, 256 * MiB, 0, ReleasePolicy::kLazy);
+    s.dev->set_auto_complete(false);
+    std::uintptr_t a = s.pool->allocate(4 << 20, 0), p = s.pool->allocate(4 << 20, 0);
+    std::uintptr_t hole = s.pool->allocate(4 << 20, 0), c = s.pool->allocate(4 << 20, 0);
+    s.pool->record_stream(p, 9);
+    s.pool->free(p);     // pending on stream 9
+    s.pool->free(hole);  // free
+    RegionInfo region{};
+    for (const RegionInfo& r : s.pool->snapshot())
+      if (a >= r.address && a < r.address + r.size) region = r;
+    const std::size_t region_size =
+        kind == UpstreamKind::kPages ? round_up(4 * 256 * MiB, 2 * MiB) : region.size;
+    const std::string before = fingerprint(*s.pool);
+    struct Case {
+      std::uintptr_t address;
+      std::size_t bytes;
+      const char* says;
+    } cases[] = {
+        {a, 512, "overlaps the live block"},
+        {a + 512, 512, "overlaps the live block"},
+        {hole + (2 << 20), 4 << 20, "overlaps the live block"},  // runs from the hole into c
+        {hole - 512, 1024, "pending"},                          // from p's tail into the hole
+        {p, 512, "pending"},
+        {0x1234000, 512, "outside every region"},
+        {0, 512, "outside every region"},
+        {region.address + region_size - 512, 1024, "runs past the end of the region"},
+        {hole + 1, 512, "not a multiple of 512"},
+        {hole, 0, "must be positive"},
+        {hole, kMaxRequest + 1, "more than any device has"},
+    };
+    for (const Case& k : cases) {
+      std::string m = message_of([&] { s.pool->allocate_at(k.address, k.bytes); });
+      if (m.find(k.says) == std::string::npos || m.find("nothing was changed") == std::string::npos)
+        throw TestFailure("allocate_at(" + std::to_string(k.address) + ", " + std::to_string(k.bytes) +
+                          "): expected '" + k.says + "', got '" + m + "'");
+      CHECK_THROWS(s.pool->allocate_at(k.address, k.bytes), InvalidArgument);
+      CHECK_EQ(fingerprint(*s.pool), before);
+      s.pool->validate();
+    }
+    // Once stream 9's work is done the pending block counts as free, without process_events().
+    s.dev->complete(9);
+    CHECK_EQ(s.pool->allocate_at(p, 2 << 20), p);
+    check_clean(*s.pool, *s.dev);
+    for (std::uintptr_t x : {a, p, c}) s.pool->free(x);
+    check_empty_after_trim(*s.pool, *s.dev);
+  }
+}
+
+TEST(allocate_at_maps_pages_under_the_cap_and_never_releases_its_own) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 16 * MiB, ReleasePolicy::kLazy);
+  std::uintptr_t base = s.pool->allocate(4 << 20, 0);
+  s.pool->free(base);
+  s.pool->trim();  // the region stays, no page is mapped
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), 0);
+  std::int64_t device_allocs = s.pool->stats().num_device_alloc;
+  CHECK_EQ(s.pool->allocate_at(base + (6 << 20), 3 << 20), base + (6 << 20));  // pages 3 and 4
+  check_clean(*s.pool, *s.dev);
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(4 << 20));
+  CHECK_EQ(s.pool->stats().num_device_alloc, device_allocs + 1);  // one run of two pages
+
+  // Seven more pages would pass the cap: OOM, and with nothing cached to release nothing changes.
+  const std::string before = fingerprint(*s.pool, false);
+  const DeviceStats st0 = s.pool->stats();
+  bool caught = false;
+  try {
+    s.pool->allocate_at(base + (20 << 20), 14 << 20);
+  } catch (const OutOfMemoryError& e) {
+    caught = true;
+    CHECK_EQ(e.requested, std::size_t(14 << 20));
+    CHECK_EQ(e.reserved, std::size_t(4 << 20));
+    CHECK_EQ(e.allocated, std::size_t(3 << 20));
+    CHECK_EQ(e.cap, std::size_t(16 * MiB));
+    CHECK(std::string(e.what()).find("at 0x") != std::string::npos);
+  }
+  CHECK(caught);
+  CHECK_EQ(fingerprint(*s.pool, false), before);
+  CHECK_EQ(s.pool->stats().num_ooms, st0.num_ooms + 1);
+  CHECK_EQ(s.pool->stats().num_alloc_retries, st0.num_alloc_retries + 1);
+  check_clean(*s.pool, *s.dev);
+
+  // A cached page elsewhere is released to make room.
+  std::uintptr_t y = s.pool->allocate_at(base + (40 << 20), 2 << 20);
+  s.pool->free(y);  // 2 MiB cached
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(6 << 20));
+  CHECK_EQ(s.pool->allocate_at(base + (20 << 20), 12 << 20), base + (20 << 20));
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(16 << 20));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(base + (20 << 20));
+  s.pool->free(base + (6 << 20));
+  s.pool->trim();
+
+  // Cached pages inside the range are kept; those before it go to make room for the rest.
+  s.pool->set_cap(8 * MiB);
+  std::uintptr_t z = s.pool->allocate_at(base, 8 << 20);  // pages 0-3
+  s.pool->free(z);                                         // cached
+  CHECK_EQ(s.pool->allocate_at(base + (4 << 20), 6 << 20), base + (4 << 20));  // pages 2-5
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(8 << 20));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(base + (4 << 20));
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(allocate_at_device_refusal_is_an_oom_that_leaks_nothing) {
+  auto sim = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 256 * MiB);
+  auto flaky = std::make_shared<FlakyDevice>(sim);
+  PoolOptions two_mib_pages;
+  two_mib_pages.large_page_bytes = 2 << 20;
+  Pool pool(flaky, two_mib_pages);
+  std::uintptr_t b, d;
+  setup_two_gaps(pool, &b, &d);  // p1 (b) and p3 (d) live, p0 and p2 unmapped
+  pool.free(b);
+  const std::string before = fingerprint(pool, false);
+  flaky->fail_map = [](std::size_t) { return true; };
+  CHECK_THROWS(pool.allocate_at(b - (2 << 20), 6 << 20), OutOfMemoryError);
+  check_clean(pool, *sim);
+  // The cache was released before the retry, but not p1: it lies inside the range being carved.
+  CHECK_EQ(fingerprint(pool, false), before);
+  CHECK_EQ(cur(pool.stats().reserved_bytes), std::int64_t(4 << 20));
+  // The second map run fails only: the first run's page stays cached, accounted.
+  const std::size_t base_calls = flaky->map_calls;
+  flaky->fail_map = [base_calls](std::size_t call) { return call == base_calls + 2 || call == base_calls + 3; };
+  CHECK_THROWS(pool.allocate_at(b - (2 << 20), 6 << 20), OutOfMemoryError);
+  check_clean(pool, *sim);
+  CHECK_EQ(cur(pool.stats().reserved_bytes), std::int64_t(6 << 20));  // p0 mapped before the refusal
+  CHECK_EQ(cur(pool.stats().allocation), 1);
+  flaky->fail_map = nullptr;
+  CHECK_EQ(pool.allocate_at(b - (2 << 20), 6 << 20), b - (2 << 20));
+  check_clean(pool, *sim);
+  pool.free(b - (2 << 20));
+  pool.free(d);
+  check_empty_after_trim(pool, *sim);
+}
+
+TEST(allocate_at_round_trip_restores_every_statistic_and_block) {
+  for (UpstreamKind kind : kKinds) {
+    for (ReleasePolicy release : {ReleasePolicy::kLazy, ReleasePolicy::kHighWater}) {
+      Setup s(kind, 1024 * MiB, 0, release);
+      std::vector<std::pair<std::uintptr_t, std::size_t>> blocks;
+      std::uint64_t x = 99;
+      for (int i = 0; i < 60; ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        std::size_t bytes = 1 + (x >> 33) % ((x >> 20) % 3 ? (256 << 10) : (12 << 20));
+        blocks.emplace_back(s.pool->allocate(bytes, StreamId((x >> 10) % 3)), bytes);
+        if (i % 7 == 3) {  // some holes
+          s.pool->free(blocks.back().first);
+          blocks.pop_back();
+        }
+      }
+      const std::string before = fingerprint(*s.pool, false);
+      const DeviceStats st = s.pool->stats();
+      std::vector<std::uintptr_t> order;
+      for (auto& [p, n] : blocks) order.push_back(p);
+      for (std::size_t i = order.size(); i > 1; --i) {  // a shuffled order of frees
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        std::swap(order[i - 1], order[(x >> 33) % i]);
+      }
+      for (std::uintptr_t p : order) s.pool->free(p);
+      CHECK_EQ(cur(s.pool->stats().allocation), 0);
+      for (std::size_t i = blocks.size(); i-- > 0;)
+        CHECK_EQ(s.pool->allocate_at(blocks[i].first, blocks[i].second), blocks[i].first);
+      check_clean(*s.pool, *s.dev);
+      const DeviceStats after = s.pool->stats();
+      for (auto pair : {std::make_pair(&st.allocation, &after.allocation), {&st.active, &after.active},
+                        {&st.segment, &after.segment}, {&st.allocated_bytes, &after.allocated_bytes},
+                        {&st.active_bytes, &after.active_bytes}, {&st.reserved_bytes, &after.reserved_bytes},
+                        {&st.requested_bytes, &after.requested_bytes}, {&st.inactive_split, &after.inactive_split},
+                        {&st.inactive_split_bytes, &after.inactive_split_bytes}})
+        for (int t = 0; t < kNumStatTypes; ++t) {
+          CHECK_EQ((*pair.first)[t].current, (*pair.second)[t].current);
+          CHECK_EQ((*pair.first)[t].peak, (*pair.second)[t].peak);
+        }
+      const std::string now = fingerprint(*s.pool, false);
+      CHECK_EQ(now.substr(now.find('|')), before.substr(before.find('|')));  // the same blocks
+      for (auto& [p, n] : blocks) CHECK_EQ(s.pool->allocation_size(p), round_up(n, 512));
+      for (auto& [p, n] : blocks) s.pool->free(p);
+      check_empty_after_trim(*s.pool, *s.dev);
+    }
+  }
+}
+
+TEST(try_free_returns_false_and_changes_nothing_for_pointers_not_live_here) {
+  for (UpstreamKind kind : kKinds) {
+    Setup s(kind);
+    Setup other(kind);
+    s.dev->set_auto_complete(false);
+    std::uintptr_t a = s.pool->allocate(4096, 0), b = s.pool->allocate(8192, 0);
+    std::uintptr_t p = s.pool->allocate(4096, 0), foreign = other.pool->allocate(4096, 0);
+    s.pool->free(a);
+    s.pool->record_stream(p, 4);
+    s.pool->free(p);  // pending
+    const std::string before = fingerprint(*s.pool);
+    for (std::uintptr_t bad : {a, p, b + 512, b + 1, std::uintptr_t(0x1234000), foreign, std::uintptr_t(0)}) {
+      CHECK(!s.pool->try_free(bad));
+      CHECK_EQ(fingerprint(*s.pool), before);
+    }
+    CHECK(s.pool->try_free(b));
+    CHECK(!s.pool->try_free(b));  // double
+    CHECK_EQ(cur(s.pool->stats().allocation), 0);
+    s.pool->validate();
+    CHECK(other.pool->try_free(foreign));
+    s.dev->complete_all();
+    s.pool->process_events();
+    check_empty_after_trim(*s.pool, *s.dev);
+    check_empty_after_trim(*other.pool, *other.dev);
+  }
+}
+
+TEST(limit_zero_refuses_every_allocation_and_any_limit_is_accepted) {
+  for (UpstreamKind kind : kKinds) {
+    Setup s(kind, 256 * MiB, 0, ReleasePolicy::kLazy);
+    CHECK_EQ(s.pool->limit(), Pool::kNoLimit);
+    CHECK_EQ(s.pool->effective_cap(), std::size_t(256 * MiB));
+    std::uintptr_t a = s.pool->allocate(10 << 20, 0), b = s.pool->allocate(30 << 20, 0);
+    std::uintptr_t small = s.pool->allocate(4096, 0);
+    s.pool->free(b);  // cached
+    s.pool->set_limit(0);  // below live: accepted
+    CHECK_EQ(s.pool->limit(), std::size_t(0));
+    CHECK_EQ(s.pool->effective_cap(), std::size_t(0));
+    CHECK_EQ(s.pool->cap(), std::size_t(0));  // the cap is a separate setting
+    std::int64_t retries = s.pool->stats().num_alloc_retries;
+    std::string m = message_of([&] { s.pool->allocate(512, 0); });
+    CHECK(m.find("out of memory") != std::string::npos && m.find("limit 0 B") != std::string::npos);
+    CHECK_THROWS(s.pool->allocate(40 << 20, 0), OutOfMemoryError);
+    CHECK_EQ(s.pool->stats().num_alloc_retries, retries + 2);
+    check_clean(*s.pool, *s.dev);
+    // The cache went back at once: what remains is under live blocks.
+    CHECK(cur(s.pool->stats().reserved_bytes) < std::int64_t(12 << 20) + std::int64_t(kSmallSegment));
+    s.pool->set_limit(4 << 20);  // below the 10 MiB live: accepted, new pages refused
+    CHECK_THROWS(s.pool->allocate(8 << 20, 0), OutOfMemoryError);
+    s.pool->set_cap(128 * MiB);
+    CHECK_EQ(s.pool->effective_cap(), std::size_t(4 << 20));
+    s.pool->set_limit(64 << 20);
+    CHECK_EQ(s.pool->effective_cap(), std::size_t(64 << 20));
+    std::uintptr_t c = s.pool->allocate(30 << 20, 0);
+    CHECK_THROWS(s.pool->allocate(40 << 20, 0), OutOfMemoryError);  // 10 + 30 + 40 > 64
+    s.pool->set_limit(Pool::kNoLimit);
+    CHECK_EQ(s.pool->effective_cap(), std::size_t(128 * MiB));
+    std::uintptr_t d = s.pool->allocate(40 << 20, 0);
+    check_clean(*s.pool, *s.dev);
+    for (std::uintptr_t x : {a, small, c, d}) s.pool->free(x);
+    s.pool->set_limit(20 << 20);  // releases the cache down to the limit
+    CHECK(cur(s.pool->stats().reserved_bytes) <= std::int64_t(20 << 20));
+    check_empty_after_trim(*s.pool, *s.dev);
+  }
+}
+
+TEST(segment_observer_sees_every_map_unmap_and_segment) {
+  for (UpstreamKind kind : kKinds) {
+    for (ReleasePolicy release : {ReleasePolicy::kLazy, ReleasePolicy::kHighWater}) {
+      Setup s(kind, 128 * MiB, 0, release);
+      std::int64_t net = 0;
+      std::size_t events = 0, wrong_kind = 0, wrong_stream = 0;
+      StreamId expected_stream = 0;
+      s.pool->set_segment_observer([&](SegmentEvent e, std::uintptr_t address, std::size_t bytes, StreamId stream) {
+        ++events;
+        const bool paged = e == SegmentEvent::kMap || e == SegmentEvent::kUnmap;
+        wrong_kind += paged != (kind == UpstreamKind::kPages);
+        wrong_kind += address == 0 || bytes == 0;
+        const bool grows = e == SegmentEvent::kMap || e == SegmentEvent::kSegmentAlloc;
+        if (grows) wrong_stream += stream != expected_stream;
+        net += grows ? std::int64_t(bytes) : -std::int64_t(bytes);
+      });
+      std::vector<std::uintptr_t> live;
+      std::uint64_t x = 7;
+      for (int i = 0; i < 600; ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        const int op = int((x >> 59) % 8);
+        try {
+          if (op < 4 || live.empty()) {
+            expected_stream = StreamId((x >> 30) % 3);
+            live.push_back(s.pool->allocate(1 + (x >> 33) % (12 << 20), expected_stream));
+          } else if (op < 6) {
+            std::size_t k = (x >> 40) % live.size();
+            s.pool->free(live[k]);
+            live.erase(live.begin() + k);
+          } else if (op == 6) {
+            s.pool->trim();
+          } else {
+            s.pool->set_limit((x >> 40) % 2 ? Pool::kNoLimit : std::size_t((x >> 33) % (128 * MiB)));
+          }
+        } catch (const OutOfMemoryError&) {
+        }
+        CHECK_EQ(net, std::int64_t(s.pool->reserved_bytes()));
+        CHECK_EQ(s.pool->reserved_bytes(), std::size_t(cur(s.pool->stats().reserved_bytes)));
+        CHECK_EQ(s.pool->allocated_bytes(), std::size_t(cur(s.pool->stats().allocated_bytes)));
+      }
+      CHECK(events > 20);
+      CHECK_EQ(wrong_kind, std::size_t(0));
+      CHECK_EQ(wrong_stream, std::size_t(0));
+      for (std::uintptr_t p : live) s.pool->free(p);
+      s.pool->set_limit(Pool::kNoLimit);
+      s.pool->trim();
+      CHECK_EQ(net, 0);
+      // An observer that throws is ignored; an empty one removes it.
+      s.pool->set_segment_observer([](SegmentEvent, std::uintptr_t, std::size_t, StreamId) {
+        throw std::runtime_error("observer failure");
+      });
+      std::uintptr_t p = s.pool->allocate(3 << 20, 0);
+      check_clean(*s.pool, *s.dev);
+      s.pool->set_segment_observer(nullptr);
+      s.pool->free(p);
+      check_empty_after_trim(*s.pool, *s.dev);
+    }
+  }
+}
+
 // ---- traces --------------------------------------------------------------------------------------
 
 #ifndef GPUMEM_SOURCE_DIR

@@ -90,6 +90,66 @@ py::dict stats_dict(const DeviceStats& s) {
   return out;
 }
 
+// ---- the GIL and the pool's lock ----------------------------------------------------------------
+// The segment observer calls Python with the pool's lock held, so it must take the GIL there. That is
+// safe only if no thread ever waits for a pool's lock while holding the GIL: every Pool method below
+// releases the GIL before it calls into the pool (lock order: the pool's lock, then the GIL). An
+// observer that calls back into a pool would deadlock on that lock; it gets a RuntimeError instead.
+
+thread_local bool in_segment_observer = false;
+
+void refuse_inside_observer() {
+  if (in_segment_observer)
+    throw std::runtime_error("gpumem: a segment observer must not call into a pool: it runs with the "
+                             "pool's lock held");
+}
+
+// Runs f() (a call into the pool) without the GIL; its result is converted after the GIL is back.
+template <typename F>
+auto without_gil(F&& f) -> decltype(f()) {
+  refuse_inside_observer();
+  py::gil_scoped_release no_gil;
+  return f();
+}
+
+// A Python callable the core holds (OOM callbacks, the segment observer). The core may drop it
+// without the GIL (under its lock, from a binding that released the GIL), so its destructor takes it.
+struct PyCallable {
+  py::object fn;
+  explicit PyCallable(py::object f) : fn(std::move(f)) {}
+  PyCallable(const PyCallable&) = delete;
+  PyCallable& operator=(const PyCallable&) = delete;
+  ~PyCallable() {
+    if (!Py_IsInitialized()) {
+      fn.release();  // the interpreter is gone: leak the reference rather than touch it
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    fn = py::object();
+  }
+};
+
+const char* event_name(SegmentEvent event) {
+  switch (event) {
+    case SegmentEvent::kMap: return "map";
+    case SegmentEvent::kUnmap: return "unmap";
+    case SegmentEvent::kSegmentAlloc: return "segment_alloc";
+    case SegmentEvent::kSegmentFree: return "segment_free";
+  }
+  return "unknown";
+}
+
+py::object block_dict(const BlockInfo& b) {
+  py::dict bd;
+  bd["address"] = b.address;
+  bd["size"] = b.size;
+  bd["requested_size"] = b.requested;
+  bd["state"] = b.state == BlockInfo::kAllocated ? "active_allocated"
+                : b.state == BlockInfo::kPending ? "active_pending_free"
+                                                 : "inactive";
+  return std::move(bd);
+}
+
 py::dict replay_dict(const ReplayResult& r) {
   py::dict d;
   d["peak_live_bytes"] = r.peak_live;
@@ -168,41 +228,111 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream) {
              std::size_t bytes = to_size(size, "size");
-             py::gil_scoped_release no_gil;  // OOM callbacks take the GIL themselves
-             return p.allocate(bytes, stream);
+             return without_gil([&] { return p.allocate(bytes, stream); });  // OOM callbacks take the GIL
            },
            py::arg("size"), py::arg("stream") = 0,
            "Returns a 512-byte aligned address (0 for size 0). Raises OutOfMemoryError or ValueError.")
-      .def("free", [](Pool& p, const py::int_& ptr) { p.free(to_address(ptr)); }, py::arg("ptr"))
-      .def("record_stream", [](Pool& p, const py::int_& ptr, StreamId s) { p.record_stream(to_address(ptr), s); },
+      .def("allocate_at",
+           [](Pool& p, const py::int_& ptr, const py::int_& size) {
+             std::uintptr_t address = to_address(ptr);
+             std::size_t bytes = to_size(size, "size");
+             return without_gil([&] { return p.allocate_at(address, bytes); });
+           },
+           py::arg("ptr"), py::arg("size"),
+           "Allocates exactly [ptr, ptr + size rounded to 512) out of this pool's free space and returns "
+           "ptr, on the stream of the region that holds it (restoring CUDA-graph checkpoints). Raises "
+           "ValueError, changing nothing, when the range is misaligned, outside every region or overlaps "
+           "a live or pending block; OutOfMemoryError when its pages cannot be mapped.")
+      .def("free",
+           [](Pool& p, const py::int_& ptr) {
+             std::uintptr_t address = to_address(ptr);
+             without_gil([&] { p.free(address); });
+           },
+           py::arg("ptr"))
+      .def("try_free",
+           [](Pool& p, const py::int_& ptr) {
+             std::uintptr_t address = to_address(ptr);
+             return without_gil([&] { return p.try_free(address); });
+           },
+           py::arg("ptr"),
+           "Frees ptr if it is a live block of this pool and returns True; otherwise returns False and "
+           "changes nothing.")
+      .def("record_stream",
+           [](Pool& p, const py::int_& ptr, StreamId s) {
+             std::uintptr_t address = to_address(ptr);
+             without_gil([&] { p.record_stream(address, s); });
+           },
            py::arg("ptr"), py::arg("stream"))
-      .def("process_events", &Pool::process_events)
-      .def("trim", &Pool::trim, "Returns every fully free page or segment to the device; returns the bytes released.")
-      .def("set_cap", [](Pool& p, const py::int_& cap) { p.set_cap(to_size(cap, "cap")); }, py::arg("cap"))
-      .def_property_readonly("cap", &Pool::cap)
-      .def_property_readonly("effective_cap", &Pool::effective_cap)
+      .def("process_events", [](Pool& p) { without_gil([&] { p.process_events(); }); })
+      .def("trim", [](Pool& p) { return without_gil([&] { return p.trim(); }); },
+           "Returns every fully free page or segment to the device; returns the bytes released.")
+      .def("set_cap",
+           [](Pool& p, const py::int_& cap) {
+             std::size_t bytes = to_size(cap, "cap");
+             without_gil([&] { p.set_cap(bytes); });
+           },
+           py::arg("cap"))
+      .def_property_readonly("cap", [](const Pool& p) { return without_gil([&] { return p.cap(); }); })
+      .def("set_limit",
+           [](Pool& p, const py::object& limit) {
+             if (!limit.is_none() && !py::isinstance<py::int_>(limit))
+               throw py::type_error("limit must be a number of bytes (int) or None");
+             std::size_t bytes = limit.is_none() ? Pool::kNoLimit : to_size(limit.cast<py::int_>(), "limit");
+             without_gil([&] { p.set_limit(bytes); });
+           },
+           py::arg("limit"),
+           "A bound on reserved bytes besides the cap (torch's per-process memory fraction): any size is "
+           "accepted, 0 and sizes below what live blocks hold included; None removes it. Cached memory "
+           "above it is released at once.")
+      .def_property_readonly(
+          "limit",
+          [](const Pool& p) -> py::object {
+            std::size_t limit = without_gil([&] { return p.limit(); });
+            if (limit == Pool::kNoLimit) return py::none();
+            return py::int_(limit);
+          },
+          "The limit set with set_limit, in bytes, or None when there is none.")
+      .def_property_readonly("effective_cap",
+                             [](const Pool& p) { return without_gil([&] { return p.effective_cap(); }); },
+                             "min(cap or the device's memory, limit)")
       .def_property_readonly("device", &Pool::device)
-      .def("stats", [](const Pool& p) { return stats_dict(p.stats()); },
+      .def_property_readonly("allocated_bytes",
+                             [](const Pool& p) { return without_gil([&] { return p.allocated_bytes(); }); },
+                             "Bytes of live blocks (sizes rounded to 512); cheaper than stats().")
+      .def_property_readonly("reserved_bytes",
+                             [](const Pool& p) { return without_gil([&] { return p.reserved_bytes(); }); },
+                             "Bytes taken from the device; cheaper than stats().")
+      .def("stats",
+           [](const Pool& p) {
+             DeviceStats s = without_gil([&] { return p.stats(); });
+             return stats_dict(s);
+           },
            "Statistics in the nested shape of torch._C._cuda_memoryStats.")
-      .def("reset_peak_stats", &Pool::reset_peak_stats)
-      .def("reset_accumulated_stats", &Pool::reset_accumulated_stats)
-      .def("largest_free_block", &Pool::largest_free_block)
-      .def("allocation_size", [](const Pool& p, const py::int_& ptr) { return p.allocation_size(to_address(ptr)); })
+      .def("reset_peak_stats", [](Pool& p) { without_gil([&] { p.reset_peak_stats(); }); })
+      .def("reset_accumulated_stats", [](Pool& p) { without_gil([&] { p.reset_accumulated_stats(); }); })
+      .def("largest_free_block", [](const Pool& p) { return without_gil([&] { return p.largest_free_block(); }); })
+      .def("allocation_size",
+           [](const Pool& p, const py::int_& ptr) {
+             std::uintptr_t address = to_address(ptr);
+             return without_gil([&] { return p.allocation_size(address); });
+           })
+      .def("live_block",
+           [](const Pool& p, const py::int_& ptr) -> py::object {
+             std::uintptr_t address = to_address(ptr);
+             BlockInfo info{};
+             if (!without_gil([&] { return p.live_block(address, &info); })) return py::none();
+             return block_dict(info);
+           },
+           py::arg("ptr"),
+           "The live block starting at ptr as a snapshot block dict (address, size, requested_size, "
+           "state), or None.")
       .def("snapshot",
            [](const Pool& p) {
+             std::vector<RegionInfo> snapshot = without_gil([&] { return p.snapshot(); });
              py::list regions;
-             for (const RegionInfo& r : p.snapshot()) {
+             for (const RegionInfo& r : snapshot) {
                py::list blocks;
-               for (const BlockInfo& b : r.blocks) {
-                 py::dict bd;
-                 bd["address"] = b.address;
-                 bd["size"] = b.size;
-                 bd["requested_size"] = b.requested;
-                 bd["state"] = b.state == BlockInfo::kAllocated ? "active_allocated"
-                               : b.state == BlockInfo::kPending ? "active_pending_free"
-                                                                : "inactive";
-                 blocks.append(bd);
-               }
+               for (const BlockInfo& b : r.blocks) blocks.append(block_dict(b));
                py::dict rd;
                rd["address"] = r.address;
                rd["total_size"] = r.size;
@@ -218,19 +348,52 @@ PYBIND11_MODULE(_C, m) {
            [](Pool& p, py::function fn) {
              // Called without the pool lock and possibly without the GIL: take it, and never let a
              // Python error escape into the allocator.
-             auto holder = std::make_shared<py::function>(std::move(fn));
-             return p.add_oom_callback([holder] {
+             auto holder = std::make_shared<PyCallable>(std::move(fn));
+             Pool::OomCallback callback = [holder] {
                py::gil_scoped_acquire gil;
                try {
-                 (*holder)();
+                 holder->fn();
                } catch (py::error_already_set& e) {
                  e.discard_as_unraisable("gpumem out-of-memory callback");
                }
-             });
+             };
+             return without_gil([&] { return p.add_oom_callback(std::move(callback)); });
            },
            py::arg("callback"), "Runs `callback()` before the last retry of an allocation that would fail.")
-      .def("remove_oom_callback", &Pool::remove_oom_callback, py::arg("id"))
-      .def("validate", &Pool::validate, "Checks every invariant of the pool; raises InvariantViolation.")
+      .def("remove_oom_callback", [](Pool& p, int id) { without_gil([&] { p.remove_oom_callback(id); }); },
+           py::arg("id"))
+      .def("set_segment_observer",
+           [](Pool& p, const py::object& fn) {
+             refuse_inside_observer();
+             Pool::SegmentObserver observer;
+             if (!fn.is_none()) {
+               if (!PyCallable_Check(fn.ptr()))
+                 throw py::type_error("set_segment_observer takes a callable or None");
+               auto holder = std::make_shared<PyCallable>(fn);
+               observer = [holder](SegmentEvent event, std::uintptr_t address, std::size_t bytes,
+                                   StreamId stream) {
+                 // The pool's lock is held; no binding waits for it with the GIL (see without_gil).
+                 py::gil_scoped_acquire gil;
+                 struct Flag {
+                   Flag() { in_segment_observer = true; }
+                   ~Flag() { in_segment_observer = false; }
+                 } flag;
+                 try {
+                   holder->fn(event_name(event), address, bytes, stream);
+                 } catch (py::error_already_set& e) {
+                   e.discard_as_unraisable("gpumem segment observer");
+                 }
+               };
+             }
+             without_gil([&] { p.set_segment_observer(std::move(observer)); });
+           },
+           py::arg("observer"),
+           "Calls observer(event, address, bytes, stream) after every map / unmap of pages and every "
+           "segment_alloc / segment_free (event is that name), with the pool's lock held: the observer "
+           "must not call into a pool (RuntimeError). Its exceptions are reported as unraisable. None "
+           "removes it.")
+      .def("validate", [](const Pool& p) { without_gil([&] { p.validate(); }); },
+           "Checks every invariant of the pool; raises InvariantViolation.")
       .def_property_readonly("upstream", [](Pool& p) { return &p.upstream(); }, py::return_value_policy::reference_internal);
 
   py::class_<Trace, std::shared_ptr<Trace>>(m, "Trace")
@@ -251,11 +414,7 @@ PYBIND11_MODULE(_C, m) {
               py::gil_scoped_acquire gil;
               progress(done, total);
             };
-          ReplayResult r;
-          {
-            py::gil_scoped_release no_gil;
-            r = replay(trace, pool, cb);
-          }
+          ReplayResult r = without_gil([&] { return replay(trace, pool, cb); });
           return replay_dict(r);
         },
         py::arg("trace"), py::arg("pool"), py::arg("progress") = py::none());

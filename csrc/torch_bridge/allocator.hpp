@@ -3,12 +3,24 @@
 // cacheInfo, record_stream, CUDA graph pools, checkpoints), backed by one gpumem::Pool per device
 // plus one private gpumem::Pool per graph / MemPool id.
 //
+// The class is implemented in four files, one concept each:
+//   allocator.cpp      construction and configuration, routing of allocations, every free path,
+//                      deferred frees, memory fraction, empty_cache, record_stream, IPC, peers;
+//   private_pools.cpp  private pools (CUDA graph capture, MemPool): routes, use counts, lifetime,
+//                      and cudagraph trees' checkpoints (getCheckpointState / setCheckpointPoolState);
+//   introspection.cpp  statistics, snapshots, memory history (trace entries, segment events,
+//                      trackers, the profiler's memory events);
+//   oom.cpp            out-of-memory errors in PyTorch's words plus gpumem's figures, OOM observers.
+// Helpers shared by those files (error translation, capture-mode and device guards): bridge_util.hpp.
+//
 // Routing:
 //   - allocate() on device D, stream S: if a beginAllocateToPool() filter of D accepts S (a CUDA graph
 //     capture, torch.cuda.use_mem_pool, cudagraph trees), the block comes from that id's private pool;
 //     otherwise from D's main pool (created on first use, configured by GPUMEM_CONF).
-//   - Main-pool blocks carry a per-device deleter, so a free goes straight to the right pool; private
-//     blocks carry a deleter that looks the pointer up. raw_delete() (no device given) tries both.
+//   - Every DataPtr carries the one deleter raw_deleter() returns, as PyTorch's own allocator does:
+//     torch compares deleters with it (cudagraph trees swap and restore them). The free looks the
+//     pointer up: the current device's main pool first (the common case, no exception on a miss),
+//     then the private pools, then the other devices' main pools.
 //   - A free of a pointer gpumem does not own is logged once and ignored: nothing is corrupted.
 // CUDA graph capture:
 //   - Private pools never release memory on their own (release policy "lazy"); a pool's memory goes
@@ -17,6 +29,13 @@
 //   - While any capture may be underway, pool calls run in cudaStreamCaptureModeRelaxed (as PyTorch
 //     does around cudaMalloc) and frees of blocks that were record_stream()'d are deferred until the
 //     last endAllocateToPool(), since their end-of-life events cannot be recorded/queried in capture.
+//
+// Lock order (a thread holding one may take only those after it; never the reverse):
+//   config_mutex_ -> DeviceState::create_mutex -> routes_mutex_ -> PrivatePool::mutex
+//     -> Pool's own lock -> recorded_mutex_ -> callback_mutex_ -> trace_mutex_
+// Pools call the segment observer (which takes trace_mutex_) with their lock held, hence trace_mutex_
+// last; trace trackers run under trace_mutex_ and must not call the allocator. Context recorders
+// (they may take the GIL) and OOM callbacks (gc.collect, which frees) run with no bridge lock held.
 #pragma once
 
 #include <atomic>
@@ -54,6 +73,7 @@ namespace CCA = c10::cuda::CUDACachingAllocator;
 using MempoolId = std::pair<unsigned long long, unsigned long long>;  // == c10::MempoolId_t
 
 constexpr int kMaxDevices = C10_COMPILE_TIME_MAX_GPUS;
+constexpr MempoolId kDefaultPool{0, 0};
 
 // A private pool: the memory of one CUDA graph pool / torch.cuda.MemPool id on one device.
 struct PrivatePool {
@@ -69,9 +89,14 @@ struct PrivatePool {
 
 // The state cudagraph trees checkpoint: the private pool's live blocks.
 struct GpumemCheckpointState : CCA::AllocatorState {
+  struct Live {
+    std::uintptr_t address;
+    std::size_t size;       // the block's size (rounded)
+    std::size_t requested;  // what was asked for
+  };
   int device = 0;
   MempoolId id{0, 0};
-  std::vector<std::pair<std::uintptr_t, std::size_t>> live;  // (address, size), sorted
+  std::vector<Live> live;  // sorted by address
 };
 
 class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
@@ -160,6 +185,9 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                      std::size_t alloc_trace_max_entries, CCA::RecordContext when) override;
 #endif
+  // torch.cuda.memory._set_memory_metadata: copied into every trace entry recorded afterwards.
+  void setUserMetadata(const std::string& metadata);
+  std::string getUserMetadata();
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override;
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override;
   std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device,
@@ -171,9 +199,7 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
                           std::size_t count, cudaStream_t stream, bool p2p_enabled) override;
   std::string name() override;
 
-  // Deleter entry points (static functions, as DataPtr wants).
-  void free_main(int device, void* ptr) noexcept;
-  void free_private_deleter(void* ptr) noexcept;
+  // The deleter of every DataPtr gpumem hands out (raw_deleter()): finds the owning pool and frees.
   void free_any(void* ptr) noexcept;
 
  private:
@@ -184,6 +210,8 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::mutex create_mutex;
     std::unique_ptr<Pool> owner;
     int callback_id = 0;
+    // What set_per_process_memory_fraction set (< 0: never set), returned as is by the getter.
+    std::atomic<double> fraction{-1.0};
   };
   struct Route {
     int device;
@@ -191,40 +219,52 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::function<bool(cudaStream_t)> filter;
     std::shared_ptr<PrivatePool> pool;
   };
-  struct Deferred {
-    void* ptr;
-    int device;  // main pool's device, or -1 for a private block
-  };
 
-  void* malloc_on(std::size_t size, int device, cudaStream_t stream, c10::DeleterFnPtr* deleter);
+  // ---- allocator.cpp: pools, allocation, frees ----
+  void* malloc_on(std::size_t size, int device, cudaStream_t stream);
   Pool& main_pool(int device);
   Pool* main_pool_if_created(int device) const;
   Pool& create_main_pool(int device);
-  std::unique_ptr<Pool> make_pool(int device, ReleasePolicy release, std::size_t cap_bytes);
-  std::shared_ptr<PrivatePool> route(int device, cudaStream_t stream);
-  void* alloc_private(PrivatePool& pp, std::size_t size, cudaStream_t stream);
+  std::unique_ptr<Pool> make_pool(int device, MempoolId id, ReleasePolicy release);
   // pool.allocate with the core's errors as torch's (OOM: torch.cuda.OutOfMemoryError).
   std::uintptr_t pool_allocate(Pool& pool, std::size_t size, int device, cudaStream_t stream);
+  void free_now(void* ptr);
+  bool try_free_main(int device, std::uintptr_t p);
+  bool defer_if_recorded(void* ptr);
+  void flush_deferred();
+  void empty_cache_impl(MempoolId mempool_id);
+  int check_device(int device) const;
+
+  // ---- private_pools.cpp ----
+  std::shared_ptr<PrivatePool> route(int device, cudaStream_t stream);
+  void* alloc_private(PrivatePool& pp, std::size_t size, cudaStream_t stream);
   std::shared_ptr<PrivatePool> find_private(int device, MempoolId id);
   std::shared_ptr<PrivatePool> create_or_incref(int device, MempoolId id);
-  bool try_free_main(int device, std::uintptr_t p);
+  std::vector<std::uintptr_t> live_pointers_of(const std::shared_ptr<PrivatePool>& pp);
   bool try_free_private(void* ptr);
   void free_private_block(const std::shared_ptr<PrivatePool>& pp, std::uintptr_t p);
-  bool defer_if_recorded(void* ptr, int device);
-  void flush_deferred();
   void maybe_destroy(const std::shared_ptr<PrivatePool>& pp);
   std::vector<std::shared_ptr<PrivatePool>> private_pools_of(int device);
-  [[noreturn]] void raise_oom(int device, const OutOfMemoryError& e, cudaStream_t stream);
+
+  // ---- oom.cpp ----
+  [[noreturn]] void raise_oom(int device, std::size_t requested, const std::string& detail,
+                              std::size_t allocated, cudaStream_t stream);
+
+  // ---- introspection.cpp ----
+  // What a pool reports when it maps / unmaps memory (its lock held): trace entries and trackers.
+  void on_segment_event(int device, MempoolId pool, SegmentEvent event, std::uintptr_t address,
+                        std::size_t bytes, StreamId stream);
   void record_trace(CCA::TraceEntry::Action action, int device, std::uintptr_t addr,
                     std::size_t size, cudaStream_t stream, MempoolId pool,
                     std::shared_ptr<c10::GatheredContext> context);
   std::shared_ptr<c10::GatheredContext> gather_context(CCA::RecordContext level);
-  void trace_alloc(int device, std::uintptr_t p, std::size_t size, cudaStream_t stream, MempoolId pool);
-  void trace_free(int device, std::uintptr_t p, std::size_t size, MempoolId pool);
+  void trace_alloc(int device, std::uintptr_t p, std::size_t size, cudaStream_t stream,
+                   MempoolId pool, std::shared_ptr<c10::GatheredContext> context);
+  void trace_free(int device, std::uintptr_t p, std::size_t size, MempoolId pool,
+                  std::shared_ptr<c10::GatheredContext> context);
+  void report_to_profiler(int device, std::uintptr_t p, std::int64_t delta);
   void append_segments(CCA::SnapshotInfo& out, int device, Pool& pool, MempoolId owner);
   CCA::SnapshotInfo snapshot_impl(MempoolId mempool_id, bool include_traces);
-  void empty_cache_impl(MempoolId mempool_id);
-  int check_device(int device) const;
 
   DeviceState devices_[kMaxDevices];
   std::atomic<int> device_count_{-1};
@@ -246,13 +286,13 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::mutex recorded_mutex_;
   std::unordered_set<void*> recorded_;
   std::atomic<int> recorded_count_{0};
-  std::vector<Deferred> deferred_;
+  std::vector<void*> deferred_;
 
   std::mutex callback_mutex_;
   std::function<void()> oom_callback_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
 
-  // Memory history (torch.cuda.memory._record_memory_history) and trace trackers.
+  // Memory history (torch.cuda.memory._record_memory_history), trace trackers, profiler events.
   std::mutex trace_mutex_;
   std::atomic<bool> tracing_{false};  // history on, or a tracker attached
   bool record_history_ = false;
@@ -263,6 +303,7 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::unordered_set<int> skip_actions_;
   std::unordered_map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> alloc_context_;
   std::vector<CCA::AllocatorTraceTracker> trackers_;
+  std::string user_metadata_;
 
   std::atomic<bool> warned_foreign_{false};
 };

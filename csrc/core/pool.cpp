@@ -153,6 +153,7 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   if (!block) return 0;
   block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
   block->requested = requested;
+  block->last_requested = requested;
   split(block, rounded);
   return commit_allocation(block, /*release_and_retry=*/false) ? block->address : 0;
 }
@@ -348,6 +349,8 @@ void Pool::insert_free(Block* block) {
     p->size += block->size;
     p->next = block->next;
     if (block->next) block->next->prev = p;
+    // The merged block shows the just-freed block's last request, as PyTorch's merge does.
+    if (block->last_requested) p->last_requested = block->last_requested;
     delete_block(block);
     block = p;
   }
@@ -734,7 +737,7 @@ std::vector<RegionInfo> Pool::snapshot() const {
       if (region->reserved == 0) continue;
       RegionInfo info{region->base, region->size, region->reserved, arena->stream, arena->small, {}};
       for (Block* b = region->first; b; b = b->next)
-        info.blocks.push_back(BlockInfo{b->address, b->size, b->requested, b->state});
+        info.blocks.push_back(BlockInfo{b->address, b->size, b->requested, b->state, b->last_requested});
       if (region->paged) {
         // Report only the span that holds memory, so a viewer does not draw the whole address range.
         std::size_t last_page = region->page_mapped.size();

@@ -67,6 +67,9 @@ struct BlockInfo {
   std::size_t size;
   std::size_t requested;  // 0 unless allocated
   enum State { kFree, kAllocated, kPending } state;
+  // Free blocks: what the last allocation that began here asked for (0 if none), as PyTorch's
+  // allocator shows inactive blocks in its memory snapshots.
+  std::size_t last_requested = 0;
 };
 
 // What the segment observer is told about (torch's memory history: segment_map / segment_unmap /
@@ -180,6 +183,7 @@ class Pool {
     std::uintptr_t address = 0;
     std::size_t size = 0;
     std::size_t requested = 0;
+    std::size_t last_requested = 0;  // kept when freed, for snapshots (BlockInfo)
     Region* region = nullptr;
     Block* prev = nullptr;  // address neighbours inside the region
     Block* next = nullptr;

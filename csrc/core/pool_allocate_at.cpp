@@ -41,6 +41,7 @@ std::uintptr_t Pool::allocate_at(std::uintptr_t address, std::size_t bytes) {
   Region* region = free_block->region;
   Block* block = carve(free_block, address, rounded);
   block->requested = bytes;
+  block->last_requested = bytes;
   if (commit_allocation(block, /*release_and_retry=*/true)) return address;
   // The block is back in the free set, merged as it was; only reserved may differ (cache released
   // elsewhere, or pages mapped before the upstream said no, which stay cached as after allocate()).

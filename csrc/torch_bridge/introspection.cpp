@@ -184,7 +184,7 @@ void GpumemAllocator::append_segments(CCA::SnapshotInfo& out, int device, Pool& 
     for (const BlockInfo& b : r.blocks) {
       CCA::BlockInfo info;
       info.size = b.size;
-      info.requested_size = b.requested;
+      info.requested_size = b.state == BlockInfo::kAllocated ? b.requested : b.last_requested;
       info.allocated = b.state == BlockInfo::kAllocated;
       info.active = b.state != BlockInfo::kFree;
       if (info.allocated) {

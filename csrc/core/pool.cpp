@@ -12,6 +12,8 @@ namespace gpumem {
 Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
     : upstream_(std::move(upstream)), options_(options) {
   if (!upstream_) throw InvalidArgument("Pool needs an upstream");
+  own_budget_ = !options_.budget;
+  budget_ = own_budget_ ? std::make_shared<Budget>() : options_.budget;
   page_size_ = upstream_->page_size();
   if (page_size_ == 0 || page_size_ % kAlignment != 0)
     throw InvalidArgument("upstream page size must be a positive multiple of 512");
@@ -31,6 +33,7 @@ Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
 Pool::~Pool() {
   // Give everything back, live or not: whoever destroys the pool is done with its memory. A
   // destructor must not throw: driver errors here are ignored, the process is tearing the pool down.
+  budget_->add(-stats_.reserved_bytes[kAggregate].current);
   for (auto& pending : pending_) {
     try {
       upstream_->destroy_event(pending.event);
@@ -98,6 +101,7 @@ void Pool::add_reserved(Region* region, std::int64_t bytes) {
   StatType type = pool_of(region);
   bool was_empty = region->reserved == 0;
   region->reserved += bytes;
+  budget_->add(bytes);
   if (bytes > 0) {
     update(stats_.reserved_bytes, type, [&](Stat& s) { s.increase(bytes); });
     if (was_empty) update(stats_.segment, type, [](Stat& s) { s.increase(1); });
@@ -143,6 +147,17 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
                          stats_.allocated_bytes[kAggregate].current,
                          stats_.reserved_bytes[kAggregate].current, options_.cap_bytes,
                          largest_free_block_locked());
+}
+
+std::uintptr_t Pool::allocate_cached(std::size_t bytes, StreamId stream) {
+  if (bytes == 0 || bytes > kMaxRequest) return 0;
+  std::lock_guard<std::mutex> lock(mutex_);
+  growth_allowed_ = false;
+  struct Restore {
+    bool& flag;
+    ~Restore() { flag = true; }
+  } restore{growth_allowed_};
+  return try_allocate(round_up(bytes, kAlignment), bytes, stream);
 }
 
 std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, StreamId stream) {
@@ -312,6 +327,7 @@ bool Pool::ensure_mapped(Block* block) {
 // Makes room for `bytes` more reserved bytes under the cap and, with the high-water policy, under the
 // live high water plus the slack (best effort). False only when the cap cannot be met.
 bool Pool::make_room(std::size_t bytes) {
+  if (!growth_allowed_) return false;
   std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
   const auto allowed =
       static_cast<std::size_t>(static_cast<double>(live_high_water_) * (1.0 + options_.release_slack));
@@ -323,7 +339,10 @@ bool Pool::make_room(std::size_t bytes) {
     release_cached(reserved + bytes - cap);
     reserved = stats_.reserved_bytes[kAggregate].current;
   }
-  return reserved + bytes <= cap;
+  if (reserved + bytes > cap) return false;
+  // Pools sharing the budget hold memory too: this pool's own cache goes back first.
+  if (!budget_->fits(bytes)) release_cached(budget_->excess(bytes));
+  return budget_->fits(bytes);
 }
 
 void Pool::split(Block* block, std::size_t size) {
@@ -595,16 +614,12 @@ std::size_t Pool::cap() const {
 
 void Pool::set_limit(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = bytes;
+  budget_->set_limit(bytes);
   // Cached pages go back down to the limit where they can; pages under live blocks stay.
-  const std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
-  if (reserved > effective_cap_locked()) release_cached(reserved - effective_cap_locked());
+  if (const std::size_t excess = budget_->excess(0)) release_cached(excess);
 }
 
-std::size_t Pool::limit() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return limit_;
-}
+std::size_t Pool::limit() const { return budget_->limit(); }
 
 std::size_t Pool::effective_cap() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -779,7 +794,10 @@ std::string Pool::oom_message(std::size_t requested, StreamId stream, std::uintp
   const std::string cap = options_.cap_bytes
                               ? format_bytes(options_.cap_bytes)
                               : "none (device total " + format_bytes(upstream_->device_total_bytes()) + ")";
-  const std::string limit = limit_ == kNoLimit ? "" : ", limit " + format_bytes(limit_);
+  const std::size_t limit_bytes = budget_->limit();
+  const std::string limit = limit_bytes == kNoLimit
+                                ? ""
+                                : ", limit " + format_bytes(limit_bytes) + (own_budget_ ? "" : " (all pools of the device: " + format_bytes(budget_->reserved()) + " reserved)");
   return "gpumem: out of memory on device " + std::to_string(options_.device) + ": tried to allocate " +
          format_bytes(requested) + at_hex + " (stream " + stream_hex + "); " +
          format_bytes(stats_.allocated_bytes[kAggregate].current) + " held by live tensors, " +
@@ -880,6 +898,9 @@ void Pool::validate() const {
   check(s.requested_bytes[kAggregate], requested, "requested_bytes");
   check(s.active_bytes[kAggregate], active, "active_bytes");
   check(s.reserved_bytes[kAggregate], reserved, "reserved_bytes");
+  if (own_budget_ && budget_->reserved() != static_cast<std::size_t>(reserved))
+    fail("the budget counts " + std::to_string(budget_->reserved()) + " reserved bytes but the regions hold " +
+         std::to_string(reserved));
   check(s.allocation[kAggregate], allocations, "allocation count");
   check(s.active[kAggregate], actives, "active count");
   check(s.segment[kAggregate], segments, "segment count");

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "address_map.hpp"
+#include "budget.hpp"
 #include "errors.hpp"
 #include "free_index.hpp"
 #include "stats.hpp"
@@ -59,6 +60,9 @@ struct PoolOptions {
   // 0 = the granularity). Small arenas always use the granularity.
   std::size_t large_page_bytes = kDefaultPageSize;
   int device = 0;             // only used in messages and to reject frees meant for another device
+  // Shared with the other pools of a device, whose reserved bytes count against one limit
+  // (set_limit); null: the pool has a budget of its own.
+  std::shared_ptr<Budget> budget;
 };
 
 // One block as seen from outside, for snapshots and debugging.
@@ -96,7 +100,7 @@ class Pool {
   using OomCallback = std::function<void()>;
   using SegmentObserver =
       std::function<void(SegmentEvent event, std::uintptr_t address, std::size_t bytes, StreamId stream)>;
-  static constexpr std::size_t kNoLimit = SIZE_MAX;
+  static constexpr std::size_t kNoLimit = Budget::kNoLimit;
 
   explicit Pool(std::shared_ptr<Upstream> upstream, PoolOptions options = {});
   ~Pool();
@@ -106,6 +110,10 @@ class Pool {
   // Returns an address aligned to 512 bytes, or 0 for a zero-byte request (which frees as a no-op).
   // @throws OutOfMemoryError when the memory cannot be had; InvalidArgument for absurd sizes.
   std::uintptr_t allocate(std::size_t bytes, StreamId stream);
+  // Like allocate(), but only from memory this pool has already reserved: nothing is mapped or taken
+  // from the upstream, no cache is released, no callback runs. Returns 0 when nothing cached fits.
+  // (PyTorch's MemPool(use_on_oom=True): another pool's OOM borrows a pool's cached memory.)
+  std::uintptr_t allocate_cached(std::size_t bytes, StreamId stream);
   // Allocates exactly [address, address + round_up(bytes, 512)) and returns `address`: the block is
   // then what allocate() would have left (requested = bytes, same statistics), on the stream of the
   // arena whose region holds the range. The range must lie in one region of this pool and inside one
@@ -136,8 +144,10 @@ class Pool {
   std::size_t cap() const;
   // A bound on reserved bytes besides the cap, with torch's set_per_process_memory_fraction meaning:
   // any value is accepted (0 and values below what live blocks hold included; kNoLimit removes it).
-  // Cached pages are released down to it at once where they can be; allocations that would reserve
-  // past it fail with OutOfMemoryError, and under a limit of 0 every allocate() does.
+  // It is the limit of the pool's budget, so with a shared budget (PoolOptions::budget) it bounds the
+  // reserved bytes of all the pools that share it. This pool's cached pages are released down to it
+  // at once where they can be; allocations that would reserve past it fail with OutOfMemoryError,
+  // and under a limit of 0 every allocate() does.
   void set_limit(std::size_t bytes);
   std::size_t limit() const;  // kNoLimit when none
   std::size_t effective_cap() const;  // min(cap or the device's total memory, limit)
@@ -251,7 +261,8 @@ class Pool {
   std::size_t longest_backed_run(const Block* block) const;  // longest such run without a gap
   std::size_t effective_cap_locked() const {
     const std::size_t cap = options_.cap_bytes ? options_.cap_bytes : upstream_->device_total_bytes();
-    return cap < limit_ ? cap : limit_;
+    const std::size_t limit = budget_->limit();
+    return cap < limit ? cap : limit;
   }
   void notify(SegmentEvent event, std::uintptr_t address, std::size_t bytes, StreamId stream) {
     if (!observer_) return;
@@ -281,7 +292,9 @@ class Pool {
   std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap
   std::vector<std::pair<int, OomCallback>> oom_callbacks_;
   int next_callback_id_ = 1;
-  std::size_t limit_ = kNoLimit;  // set_limit(); the cap is options_.cap_bytes
+  std::shared_ptr<Budget> budget_;  // the limit (set_limit) and the reserved bytes it counts
+  bool own_budget_ = false;          // no other pool shares budget_ (validate() checks its count)
+  bool growth_allowed_ = true;       // false inside allocate_cached(): make_room() refuses
   SegmentObserver observer_;
 };
 

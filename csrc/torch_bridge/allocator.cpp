@@ -4,6 +4,7 @@
 #include "torch_bridge/allocator.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <utility>
@@ -15,6 +16,7 @@
 
 #include "core/cuda_upstream.hpp"
 #include "torch_bridge/bridge_util.hpp"
+#include "torch_bridge/external_upstream.hpp"
 
 namespace gpumem::torch_bridge {
 
@@ -86,7 +88,8 @@ int GpumemAllocator::check_device(int device) const {
 
 // ---- pools ---------------------------------------------------------------------------------------
 
-std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, ReleasePolicy release) {
+std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, ReleasePolicy release,
+                                                 std::shared_ptr<CCA::CUDAAllocator> external) {
   const Config& cfg = config();
   UpstreamKind kind;
   if (cfg.upstream == "segments") {
@@ -100,12 +103,16 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, Relea
   } else {
     kind = cuda_vmm_supported(device) ? UpstreamKind::kPages : UpstreamKind::kSegments;
   }
-  std::shared_ptr<Upstream> upstream = make_cuda_upstream(kind, device);
+  std::shared_ptr<Upstream> upstream =
+      external ? make_external_upstream(make_cuda_upstream(UpstreamKind::kSegments, device),
+                                        std::move(external), device)
+               : make_cuda_upstream(kind, device);
   PoolOptions options;
   options.release = release;
   options.release_slack = cfg.release_slack;
   options.large_page_bytes = cfg.page_size;
   options.device = device;
+  options.budget = devices_[device].budget;  // one limit for all the device's pools, as torch's
   auto pool = std::make_unique<Pool>(std::move(upstream), options);
   // Maps and unmaps become torch's segment trace events (memory history, NCCL's trace trackers).
   pool->set_segment_observer([this, device, id](SegmentEvent event, std::uintptr_t address,
@@ -233,20 +240,22 @@ void* GpumemAllocator::malloc_on(std::size_t size, int device, cudaStream_t stre
   std::uintptr_t p = 0;
   {
     MaybeRelaxed relaxed(routing);
-    p = pool_allocate(pool, size, device, stream);
+    p = pool_allocate(pool, size, device, stream, /*may_borrow=*/true);
   }
   if (C10_UNLIKELY(tracing)) trace_alloc(device, p, size, stream, kDefaultPool, context);
   if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
-    report_to_profiler(device, p, static_cast<std::int64_t>(pool.allocation_size(p)));
+    report_to_profiler(device, p, static_cast<std::int64_t>(round_up(size, kAlignment)));
   return reinterpret_cast<void*>(p);
 }
 
 std::uintptr_t GpumemAllocator::pool_allocate(Pool& pool, std::size_t size, int device,
-                                              cudaStream_t stream) {
+                                              cudaStream_t stream, bool may_borrow) {
   return translate([&]() -> std::uintptr_t {
     try {
       return pool.allocate(size, reinterpret_cast<StreamId>(stream));
     } catch (const OutOfMemoryError& e) {
+      if (may_borrow)
+        if (std::uintptr_t p = borrow_from_oom_pools(device, size, stream)) return p;
       // torch.cuda.OutOfMemoryError in PyTorch's words, after the OOM observers.
       raise_oom(device, e.requested, e.what(), e.allocated, stream);
     }
@@ -366,8 +375,9 @@ void GpumemAllocator::setMemoryFraction(double fraction, c10::DeviceIndex device
   translate([&] {
     DeviceSwitch on(device);
     const std::size_t total = pool.upstream().device_total_bytes();
+    // Rounded, not truncated: a fraction computed as bytes / total gives those bytes back.
     pool.set_limit(fraction >= 1.0 ? Pool::kNoLimit
-                                   : static_cast<std::size_t>(fraction * static_cast<double>(total)));
+                                   : static_cast<std::size_t>(std::llround(fraction * static_cast<double>(total))));
   });
   devices_[device].fraction.store(fraction);
 }
@@ -459,7 +469,7 @@ void GpumemAllocator::recordStream(const c10::DataPtr& data_ptr, c10::cuda::CUDA
   } else {
     std::lock_guard<std::mutex> lock(routes_mutex_);
     auto it = private_ptrs_.find(p);
-    if (it != private_ptrs_.end() && it->second && !it->second->external) owner = it->second->pool.get();
+    if (it != private_ptrs_.end() && it->second) owner = it->second->pool.get();
   }
   if (!owner) return;  // already freed: nothing to protect
   try {

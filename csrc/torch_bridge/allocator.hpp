@@ -83,7 +83,8 @@ struct PrivatePool {
   bool use_on_oom = false;
   std::mutex mutex;             // guards creating `pool`
   std::unique_ptr<Pool> pool;   // created on first allocation
-  // When createOrIncrefPool() names another allocator (e.g. an NCCL one), blocks come from it.
+  // When createOrIncrefPool() names another allocator (a MemPool of a pluggable allocator, NCCL's),
+  // the pool's segments come from it (ExternalUpstream); gpumem still caches and splits them.
   std::shared_ptr<CCA::CUDAAllocator> external;
 };
 
@@ -212,6 +213,8 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     int callback_id = 0;
     // What set_per_process_memory_fraction set (< 0: never set), returned as is by the getter.
     std::atomic<double> fraction{-1.0};
+    // The device's limit and reserved bytes, shared by its main and private pools.
+    std::shared_ptr<Budget> budget = std::make_shared<Budget>();
   };
   struct Route {
     int device;
@@ -225,9 +228,13 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   Pool& main_pool(int device);
   Pool* main_pool_if_created(int device) const;
   Pool& create_main_pool(int device);
-  std::unique_ptr<Pool> make_pool(int device, MempoolId id, ReleasePolicy release);
-  // pool.allocate with the core's errors as torch's (OOM: torch.cuda.OutOfMemoryError).
-  std::uintptr_t pool_allocate(Pool& pool, std::size_t size, int device, cudaStream_t stream);
+  // `external`: the allocator a MemPool named, whose memory the pool carves (null: the device's).
+  std::unique_ptr<Pool> make_pool(int device, MempoolId id, ReleasePolicy release,
+                                  std::shared_ptr<CCA::CUDAAllocator> external = nullptr);
+  // pool.allocate with the core's errors as torch's (OOM: torch.cuda.OutOfMemoryError). With
+  // `may_borrow` (the main pool), an OOM first borrows from MemPools made with use_on_oom=True.
+  std::uintptr_t pool_allocate(Pool& pool, std::size_t size, int device, cudaStream_t stream,
+                               bool may_borrow = false);
   void free_now(void* ptr);
   bool try_free_main(int device, std::uintptr_t p);
   bool defer_if_recorded(void* ptr);
@@ -242,6 +249,8 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::shared_ptr<PrivatePool> create_or_incref(int device, MempoolId id);
   std::vector<std::uintptr_t> live_pointers_of(const std::shared_ptr<PrivatePool>& pp);
   bool try_free_private(void* ptr);
+  // The cached memory of MemPools made with use_on_oom=True, for a main-pool allocation that failed.
+  std::uintptr_t borrow_from_oom_pools(int device, std::size_t size, cudaStream_t stream);
   void free_private_block(const std::shared_ptr<PrivatePool>& pp, std::uintptr_t p);
   void maybe_destroy(const std::shared_ptr<PrivatePool>& pp);
   std::vector<std::shared_ptr<PrivatePool>> private_pools_of(int device);

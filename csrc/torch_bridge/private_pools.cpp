@@ -62,21 +62,14 @@ void* GpumemAllocator::alloc_private(PrivatePool& pp, std::size_t size, cudaStre
   std::uintptr_t p = 0;
   {
     MaybeRelaxed relaxed(true);
-    if (pp.external) {
-      p = translate([&] { return reinterpret_cast<std::uintptr_t>(pp.external->raw_alloc_with_stream(size, stream)); });
-      TORCH_CHECK_WITH(OutOfMemoryError, p != 0, "CUDA out of memory. Tried to allocate ", size,
-                       " bytes: the allocator of MemPool (", pp.id.first, ", ", pp.id.second,
-                       ") returned no memory (gpumem)");
-    } else {
-      Pool* pool = translate([&] {
-        std::lock_guard<std::mutex> lock(pp.mutex);
-        // Private pools never give memory back on their own: a graph's memory must stay mapped
-        // until the graph is released.
-        if (!pp.pool) pp.pool = make_pool(pp.device, pp.id, ReleasePolicy::kLazy);
-        return pp.pool.get();
-      });
-      p = pool_allocate(*pool, size, pp.device, stream);
-    }
+    Pool* pool = translate([&] {
+      std::lock_guard<std::mutex> lock(pp.mutex);
+      // Private pools never give memory back on their own: a graph's memory must stay mapped
+      // until the graph is released.
+      if (!pp.pool) pp.pool = make_pool(pp.device, pp.id, ReleasePolicy::kLazy, pp.external);
+      return pp.pool.get();
+    });
+    p = pool_allocate(*pool, size, pp.device, stream);
   }
   std::lock_guard<std::mutex> lock(routes_mutex_);
   auto it = private_pools_.find({pp.device, pp.id});
@@ -100,13 +93,31 @@ bool GpumemAllocator::try_free_private(void* ptr) {
   return true;
 }
 
+std::uintptr_t GpumemAllocator::borrow_from_oom_pools(int device, std::size_t size, cudaStream_t stream) {
+  for (auto& pp : private_pools_of(device)) {
+    {
+      std::lock_guard<std::mutex> lock(routes_mutex_);
+      if (!pp->use_on_oom) continue;
+    }
+    std::uintptr_t p = 0;
+    {
+      std::lock_guard<std::mutex> lock(pp->mutex);  // the pool stays while it lends
+      if (pp->pool) p = pp->pool->allocate_cached(size, reinterpret_cast<StreamId>(stream));
+    }
+    if (!p) continue;
+    std::lock_guard<std::mutex> lock(routes_mutex_);
+    private_ptrs_[p] = pp;  // freed back into the lending pool
+    private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+    return p;
+  }
+  return 0;
+}
+
 void GpumemAllocator::free_private_block(const std::shared_ptr<PrivatePool>& pp, std::uintptr_t p) {
   {
     MaybeRelaxed relaxed(routing_count_.load(std::memory_order_acquire) > 0);
     DeviceSwitch on(pp->device);
-    if (pp->external) {
-      pp->external->raw_delete(reinterpret_cast<void*>(p));
-    } else if (pp->pool) {
+    if (pp->pool) {
       const bool tracing = tracing_.load(std::memory_order_relaxed);
       const bool profiling = c10::memoryProfilingEnabled();
       const std::size_t size = tracing || profiling ? pp->pool->allocation_size(p) : 0;
@@ -199,7 +210,7 @@ void GpumemAllocator::createOrIncrefPool(c10::DeviceIndex device, c10::cuda::Mem
 
 void GpumemAllocator::setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
                                   bool use_on_oom) {
-  // Accepted and remembered; gpumem's OOM path does not borrow from private pools (documented).
+  // A main-pool allocation that runs out of memory then borrows this pool's cached memory.
   std::lock_guard<std::mutex> lock(routes_mutex_);
   auto it = private_pools_.find({static_cast<int>(device), mempool_id});
   if (it != private_pools_.end()) it->second->use_on_oom = use_on_oom;
@@ -232,8 +243,6 @@ std::shared_ptr<CCA::AllocatorState> GpumemAllocator::getCheckpointState(
   state->id = id;
   std::shared_ptr<PrivatePool> pp = find_private(device, id);
   if (!pp) return state;
-  TORCH_CHECK(!pp->external, "gpumem: MemPool (", id.first, ", ", id.second,
-              ") is served by another allocator, whose blocks gpumem cannot checkpoint");
   for (std::uintptr_t p : live_pointers_of(pp)) {
     BlockInfo info{};
     if (pp->pool && pp->pool->live_block(p, &info))
@@ -257,8 +266,6 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
               state->id.first, ", ", state->id.second, "): the pool no longer exists");
   CCA::CheckpointDelta delta;
   if (!pp) return delta;
-  TORCH_CHECK(!pp->external, "gpumem: MemPool (", state->id.first, ", ", state->id.second,
-              ") is served by another allocator, whose blocks gpumem cannot restore");
 
   const std::vector<std::uintptr_t> current = live_pointers_of(pp);
   auto in_checkpoint = [&](std::uintptr_t p, std::size_t size) {
@@ -287,7 +294,7 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
   if (!state->live.empty()) {
     Pool* pool = translate([&] {
       std::lock_guard<std::mutex> lock(pp->mutex);
-      if (!pp->pool) pp->pool = make_pool(pp->device, pp->id, ReleasePolicy::kLazy);
+      if (!pp->pool) pp->pool = make_pool(pp->device, pp->id, ReleasePolicy::kLazy, pp->external);
       return pp->pool.get();
     });
     pool->process_events();

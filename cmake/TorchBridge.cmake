@@ -14,6 +14,7 @@ set(GPUMEM_BRIDGE_SOURCES
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/introspection.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/oom.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/external_upstream.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/ipc.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/module.cpp)
 
 if(NOT GPUMEM_TORCH_RESULT EQUAL 0)

@@ -8,6 +8,10 @@
 
 #include <cuda.h>
 #include <dlfcn.h>
+#include <sys/syscall.h>
+
+#include <cerrno>
+#include <unistd.h>
 
 #include <mutex>
 #include <string>
@@ -29,7 +33,8 @@ struct Driver {
   X(cuDevicePrimaryCtxRetain) X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuMemGetInfo) X(cuMemAlloc) \
   X(cuMemFree) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)           \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)    \
-  X(cuEventRecord) X(cuEventQuery) X(cuEventDestroy) X(cuStreamSynchronize)
+  X(cuEventRecord) X(cuEventQuery) X(cuEventDestroy) X(cuStreamSynchronize)                          \
+  X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)
   GPUMEM_DRIVER_FNS(GPUMEM_DRIVER_FN)
   bool loaded = false;
   std::string why_not;
@@ -180,6 +185,9 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     check(driver().cuMemGetAllocationGranularity(&granularity, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
           "cuMemGetAllocationGranularity");
     page_ = std::max<std::size_t>(2 * MiB, granularity);
+    // Pages can be exported as file descriptors (CUDA IPC), where the driver allows it (map() drops
+    // the request if cuMemCreate refuses it).
+    prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
@@ -209,6 +217,11 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     for (std::uintptr_t a = address; a < address + bytes; a += page) {
       CUmemGenericAllocationHandle handle;
       CUresult r = driver().cuMemCreate(&handle, page, &prop_, 0);
+      if ((r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) &&
+          prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
+        prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;  // no IPC here; plain pages still work
+        r = driver().cuMemCreate(&handle, page, &prop_, 0);
+      }
       if (r == CUDA_ERROR_OUT_OF_MEMORY) {
         undo();
         return false;
@@ -224,7 +237,7 @@ class CudaVmmUpstream : public CudaUpstreamBase {
         if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
         fail(r, "cuMemMap");
       }
-      handles_[a] = Mapping{handle, page};
+      handles_[a] = Mapping{handle, page, -1};
       done.push_back(a);
     }
     CUresult r = driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access_, 1);
@@ -241,12 +254,35 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     for (std::uintptr_t a = address; a < address + bytes; a += page) unmap_page(a);
   }
 
+  std::vector<int> export_pages(std::uintptr_t address, std::size_t count, std::size_t page) override {
+    if (prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+      throw UpstreamError("gpumem: the CUDA driver does not let this device's memory be exported as "
+                          "file descriptors, so it cannot be shared with another process");
+    ContextScope scope(context_);
+    std::vector<int> fds;
+    for (std::size_t i = 0; i < count; ++i) {
+      auto it = handles_.find(address + i * page);
+      if (it == handles_.end() || it->second.bytes != page)
+        throw UpstreamError("gpumem: export of a page that is not mapped");
+      if (it->second.fd < 0) {
+        int fd = -1;
+        check(driver().cuMemExportToShareableHandle(&fd, it->second.handle,
+                                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+              "cuMemExportToShareableHandle");
+        it->second.fd = fd;
+      }
+      fds.push_back(it->second.fd);
+    }
+    return fds;
+  }
+
  private:
   void unmap_page(std::uintptr_t a) {
     auto it = handles_.find(a);
     if (it == handles_.end()) throw UpstreamError("gpumem: unmap of a page that gpumem never mapped");
     check(driver().cuMemUnmap(static_cast<CUdeviceptr>(a), it->second.bytes), "cuMemUnmap");
     check(driver().cuMemRelease(it->second.handle), "cuMemRelease");
+    if (it->second.fd >= 0) ::close(it->second.fd);
     handles_.erase(it);
   }
 
@@ -256,6 +292,7 @@ class CudaVmmUpstream : public CudaUpstreamBase {
   struct Mapping {
     CUmemGenericAllocationHandle handle;
     std::size_t bytes;
+    int fd;  // exported file descriptor (export_pages), -1 until the page is first shared
   };
   std::unordered_map<std::uintptr_t, Mapping> handles_;  // by page address
 };
@@ -294,6 +331,78 @@ std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device) {
   return std::make_shared<CudaSegmentUpstream>(device);
 }
 
+// Linux 5.6+: another process's file descriptor, by pid (needs ptrace access to that process:
+// same user, and under Yama ptrace_scope 1 an ancestor only through CAP_SYS_PTRACE).
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+std::shared_ptr<void> cuda_import_pages(int device, int pid, const std::vector<int>& remote_fds,
+                                        std::size_t page) {
+  const Driver& d = loaded_driver();
+  if (remote_fds.empty() || page == 0) throw InvalidArgument("gpumem: nothing to import");
+  CUdevice dev;
+  check(d.cuDeviceGet(&dev, device), "cuDeviceGet");
+  CUcontext context;
+  check(d.cuDevicePrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
+  ContextScope scope(context);
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0)
+    throw UpstreamError("gpumem: cannot reach process " + std::to_string(pid) +
+                        " to import its CUDA memory (pidfd_open: errno " + std::to_string(errno) + ")");
+  std::vector<CUmemGenericAllocationHandle> handles;
+  CUdeviceptr base = 0;
+  std::size_t mapped = 0;
+  const std::size_t bytes = remote_fds.size() * page;
+  auto undo = [&] {
+    for (std::size_t i = 0; i < mapped; ++i) d.cuMemUnmap(base + i * page, page);
+    if (base) d.cuMemAddressFree(base, bytes);
+    for (auto h : handles) d.cuMemRelease(h);
+    ::close(pidfd);
+  };
+  try {
+    for (int remote : remote_fds) {
+      const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, remote, 0));
+      if (fd < 0)
+        throw UpstreamError("gpumem: cannot take file descriptor " + std::to_string(remote) +
+                            " of process " + std::to_string(pid) + " (pidfd_getfd: errno " +
+                            std::to_string(errno) + "; the processes must run as the same user, and "
+                            "ptrace access between them must be allowed)");
+      CUmemGenericAllocationHandle h;
+      CUresult r = d.cuMemImportFromShareableHandle(
+          &h, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+      ::close(fd);
+      check(r, "cuMemImportFromShareableHandle");
+      handles.push_back(h);
+    }
+    check(d.cuMemAddressReserve(&base, bytes, page, 0, 0), "cuMemAddressReserve");
+    for (; mapped < handles.size(); ++mapped)
+      check(d.cuMemMap(base + mapped * page, page, 0, handles[mapped], 0), "cuMemMap");
+    CUmemAccessDesc access = {};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    check(d.cuMemSetAccess(base, bytes, &access, 1), "cuMemSetAccess");
+  } catch (...) {
+    undo();
+    throw;
+  }
+  ::close(pidfd);
+  // Unmapped and released when the last user lets go (torch: the receiving storage dies).
+  return std::shared_ptr<void>(reinterpret_cast<void*>(base), [=](void*) {
+    const Driver& drv = driver();
+    CUcontext popped;
+    if (drv.cuCtxPushCurrent(context) != CUDA_SUCCESS) return;
+    for (std::size_t i = 0; i < handles.size(); ++i) drv.cuMemUnmap(base + i * page, page);
+    drv.cuMemAddressFree(base, bytes);
+    for (auto h : handles) drv.cuMemRelease(h);
+    drv.cuCtxPopCurrent(&popped);
+  });
+}
+
 }  // namespace gpumem
 
 #else  // built without the CUDA headers
@@ -304,6 +413,9 @@ bool cuda_available() { return false; }
 int cuda_device_count() { return 0; }
 bool cuda_vmm_supported(int) { return false; }
 std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int) {
+  throw UpstreamError("gpumem was built without the CUDA toolkit headers: rebuild with CUDA available");
+}
+std::shared_ptr<void> cuda_import_pages(int, int, const std::vector<int>&, std::size_t) {
   throw UpstreamError("gpumem was built without the CUDA toolkit headers: rebuild with CUDA available");
 }
 }  // namespace gpumem

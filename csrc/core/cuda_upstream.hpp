@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "upstream.hpp"
 
@@ -18,5 +19,10 @@ int cuda_device_count();
 bool cuda_vmm_supported(int device);
 // @throws UpstreamError when there is no driver/device, InvalidArgument for a bad device ordinal.
 std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device);
+// Maps into this process the pages another process exported (Upstream::export_pages), given that
+// process's pid, its file descriptor numbers and the page size; the memory stays mapped until the
+// returned pointer's last copy is gone. @throws UpstreamError saying what failed.
+std::shared_ptr<void> cuda_import_pages(int device, int pid, const std::vector<int>& remote_fds,
+                                        std::size_t page);
 
 }  // namespace gpumem

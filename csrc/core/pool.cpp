@@ -626,6 +626,19 @@ std::size_t Pool::effective_cap() const {
   return effective_cap_locked();
 }
 
+Pool::ExportedBlock Pool::export_block(std::uintptr_t address) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = find_live(address, "export");
+  Region* r = block->region;
+  if (!r->paged)
+    throw UpstreamError("gpumem: only memory of a paged upstream (CUDA virtual memory) can be exported");
+  const std::size_t first = (block->address - r->base) / r->page;
+  const std::size_t last = (block->address + block->size - 1 - r->base) / r->page;
+  ExportedBlock out{r->base + first * r->page, r->page, {}};
+  out.fds = upstream_->export_pages(out.first_page, last - first + 1, r->page);
+  return out;
+}
+
 std::size_t Pool::allocated_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<std::size_t>(stats_.allocated_bytes[kAggregate].current);

@@ -166,6 +166,16 @@ class Pool {
   // The current aggregate allocated / reserved bytes, without the walk stats() makes (the bridge asks
   // for them on every allocation it reports).
   std::size_t allocated_bytes() const;
+  // For CUDA IPC: the pages under the live block at `address` exported by the upstream (paged
+  // upstreams only), with the first page's address and the page size.
+  // @throws InvalidArgument for a pointer that is not a live block; UpstreamError when the upstream
+  // cannot export.
+  struct ExportedBlock {
+    std::uintptr_t first_page;
+    std::size_t page;
+    std::vector<int> fds;
+  };
+  ExportedBlock export_block(std::uintptr_t address);
   std::size_t reserved_bytes() const;
 
   // Called after every successful map, unmap, segment allocation and segment free (including those

@@ -15,5 +15,8 @@ std::uintptr_t Upstream::reserve_address_range(std::size_t) { wrong_kind(*this, 
 void Upstream::release_address_range(std::uintptr_t, std::size_t) { wrong_kind(*this, "release_address_range"); }
 bool Upstream::map(std::uintptr_t, std::size_t, std::size_t) { wrong_kind(*this, "map"); return false; }
 void Upstream::unmap(std::uintptr_t, std::size_t, std::size_t) { wrong_kind(*this, "unmap"); }
+std::vector<int> Upstream::export_pages(std::uintptr_t, std::size_t, std::size_t) {
+  throw UpstreamError("upstream '" + name() + "' cannot export its memory to another process");
+}
 
 }  // namespace gpumem

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "types.hpp"
 
@@ -39,6 +40,10 @@ class Upstream {
   // page as the map() that mapped the range.
   virtual bool map(std::uintptr_t address, std::size_t bytes, std::size_t page);
   virtual void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page);
+  // kPages: file descriptors of the physical pages of [address, address + count * page) (mapped by
+  // map() with that page), which another process can import (CUDA IPC). They stay open, owned by the
+  // upstream, until the pages are unmapped. @throws UpstreamError when the pages cannot be exported.
+  virtual std::vector<int> export_pages(std::uintptr_t address, std::size_t count, std::size_t page);
 
   // Streams and events. An event marks the work queued on a stream so far.
   virtual EventId record_event(StreamId stream) = 0;

@@ -1,6 +1,6 @@
 // gpumem's PyTorch allocator: construction and configuration, the main pools, routing of
 // allocations, every free path (one deleter for all blocks), deferred frees, memory fraction,
-// empty_cache, cacheInfo, record_stream, IPC and peer copies. See allocator.hpp for the design.
+// empty_cache, cacheInfo, record_stream and peer copies. See allocator.hpp for the design.
 #include "torch_bridge/allocator.hpp"
 
 #include <algorithm>
@@ -482,17 +482,7 @@ void GpumemAllocator::recordStream(const c10::DataPtr& data_ptr, c10::cuda::CUDA
   recorded_count_.store(static_cast<int>(recorded_.size()), std::memory_order_release);
 }
 
-// ---- IPC, peers, name ----------------------------------------------------------------------------
-
-std::shared_ptr<void> GpumemAllocator::getIpcDevPtr(std::string) {
-  TORCH_CHECK(false, "gpumem does not support CUDA IPC (sharing CUDA tensors between processes with "
-                     "torch.multiprocessing); run that process with GPUMEM_DISABLE=1");
-}
-
-CCA::ShareableHandle GpumemAllocator::shareIpcHandle(void*) {
-  TORCH_CHECK(false, "gpumem does not support CUDA IPC (sharing CUDA tensors between processes with "
-                     "torch.multiprocessing); run that process with GPUMEM_DISABLE=1");
-}
+// ---- peers, name (IPC: ipc.cpp) ----------------------------------------------------------------------------
 
 void GpumemAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
   c10::cuda::CUDAGuard guard(dev);

@@ -5,12 +5,14 @@
 //
 // The class is implemented in four files, one concept each:
 //   allocator.cpp      construction and configuration, routing of allocations, every free path,
-//                      deferred frees, memory fraction, empty_cache, record_stream, IPC, peers;
+//                      deferred frees, memory fraction, empty_cache, record_stream, peers;
 //   private_pools.cpp  private pools (CUDA graph capture, MemPool): routes, use counts, lifetime,
 //                      and cudagraph trees' checkpoints (getCheckpointState / setCheckpointPoolState);
 //   introspection.cpp  statistics, snapshots, memory history (trace entries, segment events,
 //                      trackers, the profiler's memory events);
-//   oom.cpp            out-of-memory errors in PyTorch's words plus gpumem's figures, OOM observers.
+//   oom.cpp            out-of-memory errors in PyTorch's words plus gpumem's figures, OOM observers;
+//   ipc.cpp            CUDA IPC (torch.multiprocessing): pages exported as file descriptors;
+//   external_upstream  the upstream of MemPools whose memory comes from another torch allocator.
 // Helpers shared by those files (error translation, capture-mode and device guards): bridge_util.hpp.
 //
 // Routing:

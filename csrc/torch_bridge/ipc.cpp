@@ -1,0 +1,77 @@
+// CUDA IPC: sending CUDA tensors to other processes with torch.multiprocessing. gpumem's memory is
+// CUDA virtual memory, which cudaIpcGetMemHandle cannot share; its physical pages are exported as
+// file descriptors instead (as PyTorch's expandable segments do), and the receiving process takes
+// them with pidfd_getfd and maps them. The handle torch carries between the processes is text:
+//   gpumem-ipc:1:<sender pid>:<device>:<page bytes>:<fd>,<fd>,...
+// with torch's offset from the first page to the tensor's storage. Both processes must use gpumem
+// (import it first in the child too); a handle of the other kind is refused with an error that says
+// so, never a hang or a crash. Only the upstream "vmm" (the default where supported) can share.
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "core/cuda_upstream.hpp"
+#include "torch_bridge/allocator.hpp"
+#include "torch_bridge/bridge_util.hpp"
+
+namespace gpumem::torch_bridge {
+
+namespace {
+constexpr const char* kPrefix = "gpumem-ipc:1:";
+}  // namespace
+
+CCA::ShareableHandle GpumemAllocator::shareIpcHandle(void* ptr) {
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  Pool* owner = nullptr;
+  int device = -1;
+  for (int d = 0; d < kMaxDevices && !owner; ++d) {
+    Pool* pool = main_pool_if_created(d);
+    if (pool && pool->allocation_size(p) != 0) owner = pool, device = d;
+  }
+  if (!owner) {
+    std::lock_guard<std::mutex> lock(routes_mutex_);
+    auto it = private_ptrs_.find(p);
+    if (it != private_ptrs_.end() && it->second) owner = it->second->pool.get(), device = it->second->device;
+  }
+  TORCH_CHECK(owner, "gpumem: cannot share ", hex(ptr), " with another process: it is not a live "
+              "block of gpumem's pools");
+  TORCH_CHECK(owner->upstream().kind() == UpstreamKind::kPages,
+              "gpumem can share CUDA tensors with other processes only from CUDA virtual memory; "
+              "this pool uses '", owner->upstream().name(), "' (GPUMEM_CONF upstream:segments?). Use "
+              "upstream:vmm, or GPUMEM_DISABLE=1 in both processes");
+  Pool::ExportedBlock exported = translate([&] { return owner->export_block(p); });
+  std::ostringstream handle;
+  handle << kPrefix << ::getpid() << ':' << device << ':' << exported.page << ':';
+  for (std::size_t i = 0; i < exported.fds.size(); ++i) handle << (i ? "," : "") << exported.fds[i];
+  CCA::ShareableHandle out;
+  out.offset = static_cast<std::ptrdiff_t>(p - exported.first_page);
+  out.handle = handle.str();
+  return out;
+}
+
+std::shared_ptr<void> GpumemAllocator::getIpcDevPtr(std::string handle) {
+  TORCH_CHECK(handle.rfind(kPrefix, 0) == 0,
+              "gpumem: this CUDA tensor was shared by a process that does not use gpumem (PyTorch's "
+              "own allocator made its IPC handle). Import gpumem first in both processes, or set "
+              "GPUMEM_DISABLE=1 in both");
+  std::istringstream in(handle.substr(std::string(kPrefix).size()));
+  long pid = 0, device = 0;
+  unsigned long long page = 0;
+  char sep1 = 0, sep2 = 0, sep3 = 0;
+  std::string fd_list;
+  in >> pid >> sep1 >> device >> sep2 >> page >> sep3 >> fd_list;
+  std::vector<int> fds;
+  std::istringstream fds_in(fd_list);
+  for (std::string item; std::getline(fds_in, item, ',');) fds.push_back(std::stoi(item));
+  TORCH_CHECK(sep1 == ':' && sep2 == ':' && sep3 == ':' && pid > 0 && page > 0 && !fds.empty() &&
+                  device >= 0 && device < kMaxDevices,
+              "gpumem: malformed CUDA IPC handle '", handle, "'");
+  return translate([&] {
+    return cuda_import_pages(static_cast<int>(device), static_cast<int>(pid), fds,
+                             static_cast<std::size_t>(page));
+  });
+}
+
+}  // namespace gpumem::torch_bridge

@@ -60,33 +60,22 @@ py::dict stat_dict(const Stat& s) {
   return d;
 }
 
-// The same nested shape as torch._C._cuda_memoryStats, so torch's flattening code applies.
+// The same nested shape as torch._C._cuda_memoryStats, so torch's flattening code applies; the keys
+// come from the one schema in stats.hpp.
 py::dict stats_dict(const DeviceStats& s) {
   py::dict out;
-  auto arr = [](const StatArray& a) {
-    py::dict d;
-    d["all"] = stat_dict(a[kAggregate]);
-    d["small_pool"] = stat_dict(a[kSmallPool]);
-    d["large_pool"] = stat_dict(a[kLargePool]);
-    return d;
-  };
-  out["allocation"] = arr(s.allocation);
-  out["segment"] = arr(s.segment);
-  out["active"] = arr(s.active);
-  out["inactive_split"] = arr(s.inactive_split);
-  out["allocated_bytes"] = arr(s.allocated_bytes);
-  out["reserved_bytes"] = arr(s.reserved_bytes);
-  out["active_bytes"] = arr(s.active_bytes);
-  out["inactive_split_bytes"] = arr(s.inactive_split_bytes);
-  out["requested_bytes"] = arr(s.requested_bytes);
-  out["num_alloc_retries"] = s.num_alloc_retries;
-  out["num_ooms"] = s.num_ooms;
-  out["num_sync_all_streams"] = s.num_sync_all_streams;
-  out["num_device_alloc"] = s.num_device_alloc;
-  out["num_device_free"] = s.num_device_free;
-  out["oversize_allocations"] = stat_dict(s.oversize_allocations);
-  out["oversize_segments"] = stat_dict(s.oversize_segments);
-  out["max_split_size"] = s.max_split_size;
+#define GPUMEM_PY_ARRAY(name)                                                           \
+  {                                                                                     \
+    py::dict d;                                                                         \
+    for (int t = 0; t < kNumStatTypes; ++t) d[stat_type_name(t)] = stat_dict(s.name[t]); \
+    out[#name] = d;                                                                     \
+  }
+#define GPUMEM_PY_STAT(name) out[#name] = stat_dict(s.name);
+#define GPUMEM_PY_NUMBER(name) out[#name] = s.name;
+  GPUMEM_STATS_SCHEMA(GPUMEM_PY_ARRAY, GPUMEM_PY_STAT, GPUMEM_PY_NUMBER, GPUMEM_PY_NUMBER)
+#undef GPUMEM_PY_ARRAY
+#undef GPUMEM_PY_STAT
+#undef GPUMEM_PY_NUMBER
   return out;
 }
 

@@ -25,45 +25,90 @@ struct Stat {
   }
   void reset_peak() { peak = current; }
   void reset_accumulated() { allocated = 0; freed = 0; }
+  void merge(const Stat& o) {
+    current += o.current;
+    peak += o.peak;
+    allocated += o.allocated;
+    freed += o.freed;
+  }
 };
 
 enum StatType : int { kAggregate = 0, kSmallPool = 1, kLargePool = 2, kNumStatTypes = 3 };
 using StatArray = std::array<Stat, kNumStatTypes>;
 
-struct DeviceStats {
-  StatArray allocation;            // COUNT: allocations handed to callers and not yet freed
-  StatArray segment;               // COUNT: regions holding reserved memory
-  StatArray active;                // COUNT: blocks allocated or waiting on other streams' events
-  StatArray inactive_split;        // COUNT: free blocks that share a region with other blocks
-  StatArray allocated_bytes;       // SUM: bytes of allocated blocks (rounded to 512)
-  StatArray reserved_bytes;        // SUM: bytes taken from the upstream (mapped pages, segments)
-  StatArray active_bytes;          // SUM: bytes of active blocks
-  StatArray inactive_split_bytes;  // SUM: bytes of inactive split blocks that are backed by memory
-  StatArray requested_bytes;       // SUM: bytes the callers asked for
-  std::int64_t num_alloc_retries = 0;  // COUNT: allocations that released the cache and retried
-  std::int64_t num_ooms = 0;           // COUNT: allocations that failed with out-of-memory
-  std::int64_t num_sync_all_streams = 0;  // COUNT: stream synchronisations before releasing memory
-  std::int64_t num_device_alloc = 0;   // COUNT: upstream calls that took memory (map / segment)
-  std::int64_t num_device_free = 0;    // COUNT: upstream calls that returned memory
-  Stat oversize_allocations;           // unused by gpumem (no max_split_size); kept for torch's shape
-  Stat oversize_segments;
-  std::int64_t max_split_size = 0;
+// The schema of DeviceStats, declared once. Each entry names a member, which is also its key in
+// torch.cuda.memory_stats(); the kind says how it is merged and reset:
+//   ARRAY   a StatArray (all / small_pool / large_pool), summed when pools are merged;
+//   STAT    a single Stat, summed;
+//   COUNTER an event count, summed, cleared by reset_accumulated();
+//   SETTING a configuration figure, the largest kept when merged, never reset.
+// The struct below, the Python bindings' dictionaries, the torch bridge's DeviceStats (same member
+// names), merging and resets are all generated from this list.
+#define GPUMEM_STATS_SCHEMA(ARRAY, STAT, COUNTER, SETTING)                                          \
+  ARRAY(allocation)            /* COUNT: allocations handed to callers and not yet freed */          \
+  ARRAY(segment)               /* COUNT: regions holding reserved memory */                          \
+  ARRAY(active)                /* COUNT: blocks allocated or waiting on other streams' events */     \
+  ARRAY(inactive_split)        /* COUNT: free blocks that share a region with other blocks */        \
+  ARRAY(allocated_bytes)       /* SUM: bytes of allocated blocks (rounded to 512) */                 \
+  ARRAY(reserved_bytes)        /* SUM: bytes taken from the upstream (mapped pages, segments) */     \
+  ARRAY(active_bytes)          /* SUM: bytes of active blocks */                                     \
+  ARRAY(inactive_split_bytes)  /* SUM: bytes of inactive split blocks that are backed by memory */   \
+  ARRAY(requested_bytes)       /* SUM: bytes the callers asked for */                                \
+  COUNTER(num_alloc_retries)   /* allocations that released the cache and retried */                 \
+  COUNTER(num_ooms)            /* allocations that failed with out-of-memory */                      \
+  COUNTER(num_sync_all_streams) /* stream synchronisations before releasing memory */                \
+  COUNTER(num_device_alloc)    /* upstream calls that took memory (map / segment) */                 \
+  COUNTER(num_device_free)     /* upstream calls that returned memory */                             \
+  STAT(oversize_allocations)   /* unused by gpumem (no max_split_size); kept for torch's shape */    \
+  STAT(oversize_segments)                                                                            \
+  SETTING(max_split_size)
 
-  template <typename F>
-  void for_each_array(F&& f) {
-    for (StatArray* a : {&allocation, &segment, &active, &inactive_split, &allocated_bytes,
-                         &reserved_bytes, &active_bytes, &inactive_split_bytes, &requested_bytes})
-      f(*a);
-  }
+struct DeviceStats {
+#define GPUMEM_DECLARE_ARRAY(name) StatArray name;
+#define GPUMEM_DECLARE_STAT(name) Stat name;
+#define GPUMEM_DECLARE_COUNT(name) std::int64_t name = 0;
+  GPUMEM_STATS_SCHEMA(GPUMEM_DECLARE_ARRAY, GPUMEM_DECLARE_STAT, GPUMEM_DECLARE_COUNT, GPUMEM_DECLARE_COUNT)
+#undef GPUMEM_DECLARE_ARRAY
+#undef GPUMEM_DECLARE_STAT
+#undef GPUMEM_DECLARE_COUNT
+
   void reset_peak() {
-    for_each_array([](StatArray& a) { for (Stat& s : a) s.reset_peak(); });
-    oversize_allocations.reset_peak();
-    oversize_segments.reset_peak();
+#define GPUMEM_RESET_ARRAY(name) for (Stat& s : name) s.reset_peak();
+#define GPUMEM_RESET_STAT(name) name.reset_peak();
+#define GPUMEM_IGNORE(name)
+    GPUMEM_STATS_SCHEMA(GPUMEM_RESET_ARRAY, GPUMEM_RESET_STAT, GPUMEM_IGNORE, GPUMEM_IGNORE)
+#undef GPUMEM_RESET_ARRAY
+#undef GPUMEM_RESET_STAT
   }
   void reset_accumulated() {
-    for_each_array([](StatArray& a) { for (Stat& s : a) s.reset_accumulated(); });
-    num_alloc_retries = num_ooms = num_sync_all_streams = num_device_alloc = num_device_free = 0;
+#define GPUMEM_RESET_ARRAY(name) for (Stat& s : name) s.reset_accumulated();
+#define GPUMEM_RESET_STAT(name) name.reset_accumulated();
+#define GPUMEM_RESET_COUNTER(name) name = 0;
+    GPUMEM_STATS_SCHEMA(GPUMEM_RESET_ARRAY, GPUMEM_RESET_STAT, GPUMEM_RESET_COUNTER, GPUMEM_IGNORE)
+#undef GPUMEM_RESET_ARRAY
+#undef GPUMEM_RESET_STAT
+#undef GPUMEM_RESET_COUNTER
+  }
+  // Adds another pool's statistics (the bridge's device totals: main pool plus private pools). The
+  // peak of a sum is bounded by the sum of the peaks, which is what the result holds.
+  void merge(const DeviceStats& o) {
+#define GPUMEM_MERGE_ARRAY(name) for (int t = 0; t < kNumStatTypes; ++t) name[t].merge(o.name[t]);
+#define GPUMEM_MERGE_STAT(name) name.merge(o.name);
+#define GPUMEM_MERGE_COUNTER(name) name += o.name;
+#define GPUMEM_MERGE_SETTING(name) name = std::max(name, o.name);
+    GPUMEM_STATS_SCHEMA(GPUMEM_MERGE_ARRAY, GPUMEM_MERGE_STAT, GPUMEM_MERGE_COUNTER, GPUMEM_MERGE_SETTING)
+#undef GPUMEM_MERGE_ARRAY
+#undef GPUMEM_MERGE_STAT
+#undef GPUMEM_MERGE_COUNTER
+#undef GPUMEM_MERGE_SETTING
+#undef GPUMEM_IGNORE
   }
 };
+
+// The names of the StatArray entries, in StatType order, as torch.cuda.memory_stats() spells them.
+inline const char* stat_type_name(int type) {
+  static const char* const names[kNumStatTypes] = {"all", "small_pool", "large_pool"};
+  return names[type];
+}
 
 }  // namespace gpumem

@@ -18,31 +18,6 @@ namespace {
 
 using Action = CCA::TraceEntry::Action;
 
-void add_stat(Stat& to, const Stat& from) {
-  to.current += from.current;
-  to.peak += from.peak;  // an upper bound of the peak of the sum; exact with no private pool
-  to.allocated += from.allocated;
-  to.freed += from.freed;
-}
-
-constexpr StatArray DeviceStats::*kArrays[] = {
-    &DeviceStats::allocation,      &DeviceStats::segment,      &DeviceStats::active,
-    &DeviceStats::inactive_split,  &DeviceStats::allocated_bytes, &DeviceStats::reserved_bytes,
-    &DeviceStats::active_bytes,    &DeviceStats::inactive_split_bytes, &DeviceStats::requested_bytes};
-
-void add_stats(DeviceStats& to, const DeviceStats& from) {
-  for (auto member : kArrays)
-    for (int t = 0; t < kNumStatTypes; ++t) add_stat((to.*member)[t], (from.*member)[t]);
-  to.num_alloc_retries += from.num_alloc_retries;
-  to.num_ooms += from.num_ooms;
-  to.num_sync_all_streams += from.num_sync_all_streams;
-  to.num_device_alloc += from.num_device_alloc;
-  to.num_device_free += from.num_device_free;
-  add_stat(to.oversize_allocations, from.oversize_allocations);
-  add_stat(to.oversize_segments, from.oversize_segments);
-  to.max_split_size = std::max(to.max_split_size, from.max_split_size);
-}
-
 void to_c10(c10::CachingAllocator::Stat& to, const Stat& from) {
   to.current = from.current;
   to.peak = from.peak;
@@ -50,28 +25,16 @@ void to_c10(c10::CachingAllocator::Stat& to, const Stat& from) {
   to.freed = from.freed;
 }
 
+// gpumem's statistics as torch's: the same members (core/stats.hpp's schema), copied one by one.
 CCA::DeviceStats to_c10(const DeviceStats& s) {
   CCA::DeviceStats out;
-  auto copy = [](c10::CachingAllocator::StatArray& to, const StatArray& from) {
-    for (int t = 0; t < kNumStatTypes; ++t) to_c10(to[t], from[t]);
-  };
-  copy(out.allocation, s.allocation);
-  copy(out.segment, s.segment);
-  copy(out.active, s.active);
-  copy(out.inactive_split, s.inactive_split);
-  copy(out.allocated_bytes, s.allocated_bytes);
-  copy(out.reserved_bytes, s.reserved_bytes);
-  copy(out.active_bytes, s.active_bytes);
-  copy(out.inactive_split_bytes, s.inactive_split_bytes);
-  copy(out.requested_bytes, s.requested_bytes);
-  out.num_alloc_retries = s.num_alloc_retries;
-  out.num_ooms = s.num_ooms;
-  out.num_sync_all_streams = s.num_sync_all_streams;
-  out.num_device_alloc = s.num_device_alloc;
-  out.num_device_free = s.num_device_free;
-  to_c10(out.oversize_allocations, s.oversize_allocations);
-  to_c10(out.oversize_segments, s.oversize_segments);
-  out.max_split_size = s.max_split_size;
+#define GPUMEM_C10_ARRAY(name) for (int t = 0; t < kNumStatTypes; ++t) to_c10(out.name[t], s.name[t]);
+#define GPUMEM_C10_STAT(name) to_c10(out.name, s.name);
+#define GPUMEM_C10_NUMBER(name) out.name = s.name;
+  GPUMEM_STATS_SCHEMA(GPUMEM_C10_ARRAY, GPUMEM_C10_STAT, GPUMEM_C10_NUMBER, GPUMEM_C10_NUMBER)
+#undef GPUMEM_C10_ARRAY
+#undef GPUMEM_C10_STAT
+#undef GPUMEM_C10_NUMBER
   return out;
 }
 
@@ -98,9 +61,9 @@ Action parse_action(const std::string& name) {
 
 DeviceStats GpumemAllocator::pool_stats(int device) {
   DeviceStats total;
-  if (Pool* pool = main_pool_if_created(device)) add_stats(total, pool->stats());
+  if (Pool* pool = main_pool_if_created(device)) total.merge(pool->stats());
   for (auto& pp : private_pools_of(device))
-    if (pp->pool) add_stats(total, pp->pool->stats());
+    if (pp->pool) total.merge(pp->pool->stats());
   return total;
 }
 

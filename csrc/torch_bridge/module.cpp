@@ -17,43 +17,25 @@ using gpumem::torch_bridge::GpumemAllocator;
 
 namespace {
 
-// torch.cuda.memory_stats()'s flat shape: "allocated_bytes.all.current", "num_ooms", ...
+// torch.cuda.memory_stats()'s flat shape: "allocated_bytes.all.current", "num_ooms", ...; the keys
+// come from the one schema in core/stats.hpp.
 py::dict flat_stats(const gpumem::DeviceStats& s) {
   py::dict out;
-  const char* types[] = {"all", "small_pool", "large_pool"};
-  auto add_array = [&](const char* name, const gpumem::StatArray& a) {
-    for (int t = 0; t < gpumem::kNumStatTypes; ++t) {
-      std::string prefix = std::string(name) + "." + types[t] + ".";
-      out[py::str(prefix + "current")] = a[t].current;
-      out[py::str(prefix + "peak")] = a[t].peak;
-      out[py::str(prefix + "allocated")] = a[t].allocated;
-      out[py::str(prefix + "freed")] = a[t].freed;
-    }
-  };
-  auto add_stat = [&](const char* name, const gpumem::Stat& st) {
-    std::string prefix = std::string(name) + ".";
+  auto add_stat = [&](const std::string& prefix, const gpumem::Stat& st) {
     out[py::str(prefix + "current")] = st.current;
     out[py::str(prefix + "peak")] = st.peak;
     out[py::str(prefix + "allocated")] = st.allocated;
     out[py::str(prefix + "freed")] = st.freed;
   };
-  add_array("allocation", s.allocation);
-  add_array("segment", s.segment);
-  add_array("active", s.active);
-  add_array("inactive_split", s.inactive_split);
-  add_array("allocated_bytes", s.allocated_bytes);
-  add_array("reserved_bytes", s.reserved_bytes);
-  add_array("active_bytes", s.active_bytes);
-  add_array("inactive_split_bytes", s.inactive_split_bytes);
-  add_array("requested_bytes", s.requested_bytes);
-  out["num_alloc_retries"] = s.num_alloc_retries;
-  out["num_ooms"] = s.num_ooms;
-  add_stat("oversize_allocations", s.oversize_allocations);
-  add_stat("oversize_segments", s.oversize_segments);
-  out["num_sync_all_streams"] = s.num_sync_all_streams;
-  out["num_device_alloc"] = s.num_device_alloc;
-  out["num_device_free"] = s.num_device_free;
-  out["max_split_size"] = s.max_split_size;
+#define GPUMEM_FLAT_ARRAY(name)                                      \
+  for (int t = 0; t < gpumem::kNumStatTypes; ++t)                    \
+    add_stat(std::string(#name ".") + gpumem::stat_type_name(t) + ".", s.name[t]);
+#define GPUMEM_FLAT_STAT(name) add_stat(#name ".", s.name);
+#define GPUMEM_FLAT_NUMBER(name) out[#name] = s.name;
+  GPUMEM_STATS_SCHEMA(GPUMEM_FLAT_ARRAY, GPUMEM_FLAT_STAT, GPUMEM_FLAT_NUMBER, GPUMEM_FLAT_NUMBER)
+#undef GPUMEM_FLAT_ARRAY
+#undef GPUMEM_FLAT_STAT
+#undef GPUMEM_FLAT_NUMBER
   return out;
 }
 

@@ -639,6 +639,11 @@ Pool::ExportedBlock Pool::export_block(std::uintptr_t address) {
   return out;
 }
 
+void Pool::count_oom() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.num_ooms++;
+}
+
 std::size_t Pool::allocated_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<std::size_t>(stats_.allocated_bytes[kAggregate].current);
@@ -753,34 +758,53 @@ bool Pool::live_block(std::uintptr_t address, BlockInfo* out) const {
   Block* const* found = live_.find(address);
   if (!found || (*found)->state != BlockInfo::kAllocated) return false;
   const Block* b = *found;
-  if (out) *out = BlockInfo{b->address, b->size, b->requested, b->state};
+  if (out) *out = BlockInfo{b->address, b->size, b->requested, b->state, b->last_requested};
   return true;
 }
 
+// Segments as PyTorch reports them: a region of segments is one segment; a paged region is one
+// segment per run of mapped pages (as PyTorch does for expandable segments), its blocks clipped to
+// the run, so the segments add up to the reserved bytes and unmapped address space is not drawn.
 std::vector<RegionInfo> Pool::snapshot() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<RegionInfo> out;
   for (auto& arena : arenas_) {
     for (auto& region : arena->regions) {
       if (region->reserved == 0) continue;
-      RegionInfo info{region->base, region->size, region->reserved, arena->stream, arena->small, {}};
-      for (Block* b = region->first; b; b = b->next)
-        info.blocks.push_back(BlockInfo{b->address, b->size, b->requested, b->state, b->last_requested});
-      if (region->paged) {
-        // Report only the span that holds memory, so a viewer does not draw the whole address range.
-        std::size_t last_page = region->page_mapped.size();
-        while (last_page > 0 && !region->page_mapped[last_page - 1]) --last_page;
-        std::uintptr_t end = region->base + last_page * region->page;
-        info.size = end - region->base;
-        std::vector<BlockInfo> clipped;
-        for (auto& b : info.blocks) {
-          if (b.address >= end) break;
-          b.size = std::min<std::uintptr_t>(b.address + b.size, end) - b.address;
-          clipped.push_back(b);
-        }
-        info.blocks = std::move(clipped);
+      auto info_of = [&](const Block* b) {
+        return BlockInfo{b->address, b->size, b->requested, b->state, b->last_requested};
+      };
+      if (!region->paged) {
+        RegionInfo info{region->base, region->size, region->reserved, arena->stream, arena->small, {}};
+        for (Block* b = region->first; b; b = b->next) info.blocks.push_back(info_of(b));
+        out.push_back(std::move(info));
+        continue;
       }
-      out.push_back(std::move(info));
+      const Block* b = region->first;
+      const std::size_t pages = std::min(region->mapped_limit, region->page_mapped.size());
+      for (std::size_t p = 0; p < pages;) {
+        if (!region->page_mapped[p]) {
+          ++p;
+          continue;
+        }
+        std::size_t end_page = p;
+        while (end_page < pages && region->page_mapped[end_page]) ++end_page;
+        const std::uintptr_t lo = region->base + p * region->page;
+        const std::uintptr_t hi = region->base + end_page * region->page;
+        RegionInfo info{lo, hi - lo, hi - lo, arena->stream, arena->small, {}};
+        while (b && b->address + b->size <= lo) b = b->next;
+        for (const Block* c = b; c && c->address < hi; c = c->next) {
+          BlockInfo block = info_of(c);
+          const std::uintptr_t from = std::max<std::uintptr_t>(c->address, lo);
+          const std::uintptr_t to = std::min<std::uintptr_t>(c->address + c->size, hi);
+          block.address = from;
+          block.size = to - from;
+          if (from != c->address) block.last_requested = 0;  // the tail of a free block
+          info.blocks.push_back(block);
+        }
+        out.push_back(std::move(info));
+        p = end_page;
+      }
     }
   }
   return out;

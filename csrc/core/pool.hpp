@@ -166,6 +166,9 @@ class Pool {
   // The current aggregate allocated / reserved bytes, without the walk stats() makes (the bridge asks
   // for them on every allocation it reports).
   std::size_t allocated_bytes() const;
+  // Counts an out-of-memory the caller detected before asking the pool (a request no device could
+  // hold), so num_ooms agrees with what the user saw.
+  void count_oom();
   // For CUDA IPC: the pages under the live block at `address` exported by the upstream (paged
   // upstreams only), with the first page's address and the page size.
   // @throws InvalidArgument for a pointer that is not a live block; UpstreamError when the upstream

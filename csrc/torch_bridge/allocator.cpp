@@ -213,10 +213,11 @@ void* GpumemAllocator::malloc_on(std::size_t size, int device, cudaStream_t stre
     TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate more than 1EB memory.");
   }
   if (C10_UNLIKELY(size > kMaxRequest)) {
-    Pool* pool = main_pool_if_created(device);
+    Pool& pool = main_pool(device);
+    pool.count_oom();
     raise_oom(device, size,
-              "gpumem: no device has " + std::to_string(size) + " bytes; is the size negative or "
-              "uninitialised?", pool ? pool->allocated_bytes() : 0, stream);
+              "gpumem: the request is larger than any device's memory; is the size negative or "
+              "uninitialised?", pool.allocated_bytes(), stream);
   }
   // With history on, the Python (and C++) stack is gathered once, before any lock: the ALLOC entry
   // and the segment_map events this allocation causes share it.
@@ -269,7 +270,12 @@ void GpumemAllocator::free_any(void* ptr) noexcept {
   try {
     if (C10_UNLIKELY(recorded_count_.load(std::memory_order_acquire) > 0) && defer_if_recorded(ptr))
       return;
-    free_now(ptr);
+    if (free_now(ptr)) return;
+    if (!warned_foreign_.exchange(true)) {
+      TORCH_WARN("gpumem: ignored the free of ", hex(ptr),
+                 ", which gpumem did not allocate (memory from before gpumem was registered, or a "
+                 "double free); nothing was changed. Further such frees are ignored silently.");
+    }
   } catch (const std::exception& e) {
     // A deleter cannot throw (it runs in destructors): the failure is reported, nothing is freed.
     TORCH_WARN("gpumem: the free of ", hex(ptr), " failed: ", e.what());
@@ -278,22 +284,19 @@ void GpumemAllocator::free_any(void* ptr) noexcept {
 
 // Finds the pool that owns `ptr` and frees it there: the current device's main pool (most frees),
 // the private pools, then the other devices' main pools. Each probe is a lookup, not an exception.
-void GpumemAllocator::free_now(void* ptr) {
+// False when no pool owns it (foreign, interior or already freed pointer): nothing changed.
+bool GpumemAllocator::free_now(void* ptr) {
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess) {
     (void)cudaGetLastError();
     current = -1;
   }
-  if (current >= 0 && try_free_main(current, p)) return;
-  if (private_count_.load(std::memory_order_acquire) > 0 && try_free_private(ptr)) return;
+  if (current >= 0 && try_free_main(current, p)) return true;
+  if (private_count_.load(std::memory_order_acquire) > 0 && try_free_private(ptr)) return true;
   for (int d = 0; d < kMaxDevices; ++d)
-    if (d != current && main_pool_if_created(d) && try_free_main(d, p)) return;
-  if (!warned_foreign_.exchange(true)) {
-    TORCH_WARN("gpumem: ignored the free of ", hex(ptr),
-               ", which gpumem did not allocate (memory from before gpumem was registered, or a "
-               "double free); nothing was changed. Further such frees are ignored silently.");
-  }
+    if (d != current && main_pool_if_created(d) && try_free_main(d, p)) return true;
+  return false;
 }
 
 bool GpumemAllocator::try_free_main(int device, std::uintptr_t p) {
@@ -343,7 +346,14 @@ void GpumemAllocator::flush_deferred() {
   for (void* ptr : todo) free_any(ptr);
 }
 
-void GpumemAllocator::raw_delete(void* ptr) { free_any(ptr); }
+// An explicit call (torch.cuda.caching_allocator_delete, cudagraph trees, NCCL): a pointer gpumem does
+// not own raises, as with PyTorch's allocator, and changes nothing.
+void GpumemAllocator::raw_delete(void* ptr) {
+  if (!ptr) return;
+  if (C10_UNLIKELY(recorded_count_.load(std::memory_order_acquire) > 0) && defer_if_recorded(ptr)) return;
+  TORCH_CHECK(free_now(ptr), "invalid device pointer: ", ptr, " (gpumem: not a live block of its pools; "
+              "nothing was freed)");
+}
 
 // ---- init, fraction, cache -----------------------------------------------------------------------
 
@@ -368,7 +378,7 @@ double GpumemAllocator::getMemoryFraction(c10::DeviceIndex device) {
 // it may be below what live tensors hold (they stay; new memory is refused), and 0 refuses every
 // allocation. 1.0 removes the limit. gpumem's own cap (GPUMEM_CONF cap, gpumem.set_cap) still applies.
 void GpumemAllocator::setMemoryFraction(double fraction, c10::DeviceIndex device) {
-  TORCH_CHECK(0 <= fraction && fraction <= 1, "invalid fraction:", fraction,
+  TORCH_CHECK(0 <= fraction && fraction <= 1, "invalid fraction:", fraction,  // NaN fails too
               ". Please set within [0, 1].");
   check_device(device);
   Pool& pool = main_pool(device);

@@ -237,7 +237,7 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // `may_borrow` (the main pool), an OOM first borrows from MemPools made with use_on_oom=True.
   std::uintptr_t pool_allocate(Pool& pool, std::size_t size, int device, cudaStream_t stream,
                                bool may_borrow = false);
-  void free_now(void* ptr);
+  bool free_now(void* ptr);
   bool try_free_main(int device, std::uintptr_t p);
   bool defer_if_recorded(void* ptr);
   void flush_deferred();

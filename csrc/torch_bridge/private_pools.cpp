@@ -226,10 +226,12 @@ bool GpumemAllocator::checkPoolLiveAllocations(
     c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
     const std::unordered_set<void*>& expected_live_allocations) {
   std::shared_ptr<PrivatePool> pp = find_private(device, mempool_id);
+  TORCH_CHECK(pp, "gpumem: no memory pool (", mempool_id.first, ", ", mempool_id.second,
+              ") on device ", static_cast<int>(device));
   std::size_t live = 0;
   std::lock_guard<std::mutex> lock(routes_mutex_);
   for (auto& [p, owner] : private_ptrs_) {
-    if (!pp || owner != pp) continue;
+    if (owner != pp) continue;
     if (!expected_live_allocations.count(reinterpret_cast<void*>(p))) return false;
     ++live;
   }
@@ -242,7 +244,8 @@ std::shared_ptr<CCA::AllocatorState> GpumemAllocator::getCheckpointState(
   state->device = device;
   state->id = id;
   std::shared_ptr<PrivatePool> pp = find_private(device, id);
-  if (!pp) return state;
+  TORCH_CHECK(pp, "gpumem: no memory pool (", id.first, ", ", id.second, ") on device ",
+              static_cast<int>(device), " to checkpoint");
   for (std::uintptr_t p : live_pointers_of(pp)) {
     BlockInfo info{};
     if (pp->pool && pp->pool->live_block(p, &info))

@@ -85,15 +85,23 @@ def test_memory_fraction_enforced_and_oom_is_torch_oom():
 
 @pytest.mark.gpu
 def test_cap_below_usage_raises_and_frees_nothing():
+    # gpumem's own cap refuses a value below the live bytes; torch's fraction accepts it, as PyTorch
+    # does: live tensors stay, new memory is refused until the fraction is raised again.
     run("""
     x = torch.ones(256 * MiB, dtype=torch.uint8, device=dev)
-    for call in (lambda: torch.cuda.set_per_process_memory_fraction(0.0001),
-                 lambda: gpumem._bridge.set_cap(0, 64 * MiB)):
-        try:
-            call(); raise SystemExit("no error")
-        except ValueError as e:
-            assert "live" in str(e) or "below" in str(e) or "(0, 1]" in str(e), str(e)
+    try:
+        gpumem._bridge.set_cap(0, 64 * MiB); raise SystemExit("no error")
+    except ValueError as e:
+        assert "live" in str(e) or "below" in str(e), str(e)
+    torch.cuda.set_per_process_memory_fraction(0.0001)
+    assert torch.cuda.get_per_process_memory_fraction() == 0.0001
+    try:
+        torch.empty(64 * MiB, dtype=torch.uint8, device=dev); raise SystemExit("no OOM under the fraction")
+    except torch.cuda.OutOfMemoryError as e:
+        assert str(e).startswith("CUDA out of memory. Tried to allocate 64.00 MiB."), str(e)
     assert int(x.sum()) == 256 * MiB
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    y = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
     gpumem._bridge.validate(0)
     """)
 

@@ -5,11 +5,12 @@ import argparse
 import sys
 
 from . import _C
+from ._format import fmt_in
 from .replay import bundled_traces, print_progress, reference_ratios, replay
 
 
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.3f}"
+    return fmt_in(n, "GiB", digits=3)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -41,7 +42,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}, simulated device of "
           f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB")
     header = (f"{'trace':<14} {'peak live GiB':>13} {'peak reserved GiB':>17} {'ratio':>7} "
-              f"{'upstream calls':>14} {'ns/pair':>8} {'OOMs':>5} | PyTorch live on H200: native / expandable / async")
+              f"{'upstream calls':>14} {'ns/pair':>8} {'OOMs':>5} "
+              f"| PyTorch live on H200: native / expandable / async")
     print(header)
     print("-" * len(header))
     for r in reports:
@@ -49,7 +51,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         ref_text = (f"{ref['native']:.3f} / {ref['expandable_segments']:.3f} / {ref['cudaMallocAsync']:.3f}"
                     if ref else "n/a")
         print(f"{r.workload:<14} {_gib(r.peak_live_bytes):>13} {_gib(r.peak_reserved_bytes):>17} "
-              f"{r.fragmentation:>7.4f} {r.upstream_calls:>14,} {r.ns_per_pair:>8.1f} {r.ooms:>5} | {ref_text}")
+              f"{r.fragmentation:>7.4f} {r.upstream_calls:>14,} {r.ns_per_pair:>8.1f} {r.ooms:>5} "
+              f"| {ref_text}")
         if r.ooms:
             print(f"  first OOM: {r.first_oom}")
     print("\nratio = peak reserved / peak live (lower is better; 1.0 is the floor). "

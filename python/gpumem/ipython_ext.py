@@ -5,7 +5,8 @@
   ``%gpumem help``.
 * ``%gpumem_cleanup [NAME ...] [--keep-output] [--cpu]`` - :func:`gpumem.cleanup` in the notebook
   namespace, prints the report.
-* After any cell that raises ``torch.cuda.OutOfMemoryError``: the frames pinned by the traceback are
+* After any cell that raises an out-of-memory error (``gpumem.is_oom_error``: torch's, gpumem's, a
+  cuBLAS/cuDNN allocation failure, or an error chained from one): the frames pinned by the traceback are
   released, garbage collected and the cache emptied, so the memory comes back without a restart.  The
   error text stays visible.
 * Optional per-cell memory deltas (``%gpumem deltas on``); every cell adds samples to the session
@@ -16,10 +17,13 @@ from __future__ import annotations
 import gc
 import shlex
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
+from ._errors import is_oom_error
+from ._format import fmt_bytes
+from ._stats import cuda_state, memory_totals, tracked_devices
 from .timeline import default_timeline
-from .views import cuda_state, fmt_bytes, get_stats, summary, tracked_devices
+from .views import summary
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "is_oom"]
 
@@ -37,40 +41,12 @@ class _State:
 _STATE: Optional[_State] = None
 
 
-def is_oom(err: Optional[BaseException]) -> bool:
-    """Is ``err`` (or an exception it chains from) a CUDA out-of-memory error?"""
-    seen = set()
-    torch = sys.modules.get("torch")
-    oom_types = []
-    if torch is not None:
-        t = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
-        if isinstance(t, type):
-            oom_types.append(t)
-    gm = sys.modules.get("gpumem")
-    t = getattr(gm, "OutOfMemoryError", None) if gm is not None else None
-    if isinstance(t, type):
-        oom_types.append(t)
-    while isinstance(err, BaseException) and id(err) not in seen:
-        seen.add(id(err))
-        if oom_types and isinstance(err, tuple(oom_types)):
-            return True
-        if isinstance(err, (RuntimeError, MemoryError)):
-            msg = str(err)
-            if "out of memory" in msg and ("CUDA" in msg or "cuda" in msg or "GPU" in msg):
-                return True
-        err = err.__cause__ or err.__context__
-    return False
+# The extension's OOM test is gpumem's one (gpumem.is_oom_error); kept under its old name.
+is_oom = is_oom_error
 
 
-def _totals():
-    devs = tracked_devices()
-    a = r = p = 0
-    for d in devs:
-        s = get_stats(d)
-        a += int(s.get("allocated_bytes.all.current", 0))
-        r += int(s.get("reserved_bytes.all.current", 0))
-        p += int(s.get("allocated_bytes.all.peak", 0))
-    return a, r, p
+def _totals() -> Tuple[int, int, int]:
+    return memory_totals(tracked_devices())
 
 
 def _count(ip) -> Any:
@@ -95,7 +71,7 @@ def _pre_run_cell(info=None):
 def release_after_oom(err: BaseException, shell: Any = None):
     """What the extension does after an OOM cell: release the frames the traceback pins, collect,
     empty the cache.  Returns the :class:`gpumem.cleanup.CleanupReport`."""
-    from .cleanup import release_tracebacks, cleanup
+    from .cleanup import cleanup, release_tracebacks
 
     release_tracebacks(shell, include_active=False, extra=(err,))
     return cleanup(namespace=getattr(shell, "user_ns", None), output_cache=False, analyze=False)
@@ -107,7 +83,7 @@ def _post_run_cell(result=None):
         return
     try:
         err = getattr(result, "error_in_exec", None)
-        if err is not None and is_oom(err):
+        if err is not None and is_oom_error(err):
             rep = release_after_oom(err, st.ip)
             err = None
             st.last_release = rep
@@ -127,8 +103,9 @@ def _post_run_cell(result=None):
         if st.deltas and st.pre is not None:
             a0, r0, p0 = st.pre
             peak = f", peak {fmt_bytes(p)}" if p > p0 else ""
-            print(f"[gpumem] cell {_count(st.ip)}: allocated {fmt_bytes(a - a0, signed=True)} (now {fmt_bytes(a)}), "
-                  f"reserved {fmt_bytes(r - r0, signed=True)} (now {fmt_bytes(r)}){peak}")
+            print(f"[gpumem] cell {_count(st.ip)}: allocated {fmt_bytes(a - a0, signed=True)} "
+                  f"(now {fmt_bytes(a)}), reserved {fmt_bytes(r - r0, signed=True)} "
+                  f"(now {fmt_bytes(r)}){peak}")
     except Exception as e:  # never break the user's session
         try:
             print(f"[gpumem] extension hook failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -136,13 +113,17 @@ def _post_run_cell(result=None):
             pass
 
 
-_HELP = """%gpumem                      memory summary (allocated, reserved, peak, fragmentation, largest free block, cap)
-%gpumem plot                 allocated/reserved timeline (one sample per cell, plus any %gpumem record samples)
-%gpumem deltas on|off        print the memory change after every cell
-%gpumem record SECONDS|stop  sample the timeline in the background every SECONDS
-%gpumem timeline on|off|clear  per-cell timeline samples
-%gpumem quiet on|off         silence the message printed after an out-of-memory cell
-%gpumem_cleanup [NAME ...] [--keep-output] [--cpu]   gpumem.cleanup() in the notebook namespace"""
+_HELP = "\n".join([
+    "%gpumem                      memory summary (allocated, reserved, peak, fragmentation, largest free "
+    "block, cap)",
+    "%gpumem plot                 allocated/reserved timeline (one sample per cell, plus any %gpumem record "
+    "samples)",
+    "%gpumem deltas on|off        print the memory change after every cell",
+    "%gpumem record SECONDS|stop  sample the timeline in the background every SECONDS",
+    "%gpumem timeline on|off|clear  per-cell timeline samples",
+    "%gpumem quiet on|off         silence the message printed after an out-of-memory cell",
+    "%gpumem_cleanup [NAME ...] [--keep-output] [--cpu]   gpumem.cleanup() in the notebook namespace",
+])
 
 
 def _onoff(arg: str) -> bool:
@@ -164,6 +145,7 @@ def gpumem_magic(line: str = ""):
         print(_HELP)
     elif cmd == "plot":
         import io
+
         from .views import plot
 
         fig = plot()
@@ -216,7 +198,8 @@ def gpumem_cleanup_magic(line: str = ""):
     names = [a for a in args if not a.startswith("--")]
     flags = {a for a in args if a.startswith("--")}
     ns = getattr(ip, "user_ns", None)
-    rep = cleanup(*names, namespace=ns, output_cache="--keep-output" not in flags, include_cpu="--cpu" in flags)
+    rep = cleanup(*names, namespace=ns, output_cache="--keep-output" not in flags,
+                  include_cpu="--cpu" in flags)
     print(rep)
     return None
 

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from .views import fmt_bytes
+from ._format import fmt_bytes
 
 __all__ = ["main", "query", "render"]
 
@@ -39,7 +39,7 @@ def _proc_name(pid: int) -> str:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             parts = [p.decode(errors="replace") for p in f.read().split(b"\0") if p]
         if parts:
-            cmd = " ".join([os.path.basename(parts[0])] + parts[1:])
+            cmd = " ".join([os.path.basename(parts[0]), *parts[1:]])
             return cmd if len(cmd) <= 60 else cmd[:57] + "..."
     except Exception:
         pass
@@ -60,7 +60,8 @@ def query(nvml: Any = None) -> List[Dict[str, Any]]:
         gpus = []
         for i in range(n):
             h = nv.nvmlDeviceGetHandleByIndex(i)
-            g: Dict[str, Any] = {"index": i, "name": "?", "used": None, "total": None, "util": None, "processes": []}
+            g: Dict[str, Any] = {"index": i, "name": "?", "used": None, "total": None, "util": None,
+                                 "processes": []}
             try:
                 g["name"] = _s(nv.nvmlDeviceGetName(h))
             except Exception:
@@ -75,7 +76,8 @@ def query(nvml: Any = None) -> List[Dict[str, Any]]:
             except Exception:
                 pass
             seen = set()
-            for kind, fn in (("C", "nvmlDeviceGetComputeRunningProcesses"), ("G", "nvmlDeviceGetGraphicsRunningProcesses")):
+            for kind, fn in (("C", "nvmlDeviceGetComputeRunningProcesses"),
+                             ("G", "nvmlDeviceGetGraphicsRunningProcesses")):
                 f = getattr(nv, fn, None)
                 if f is None:
                     continue

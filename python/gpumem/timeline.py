@@ -6,6 +6,8 @@
     gpumem.plot(tl)
 
 The Jupyter extension adds one sample before and after every cell to :func:`default_timeline`.
+This module owns the recording and the drawing of a timeline (:func:`plot_timeline`; ``gpumem.plot``
+draws the session's); the allocator figures come from ``gpumem._stats``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+from ._format import UNIT_BYTES, unit_for
+from ._stats import allocated_reserved, tracked_devices
 
 __all__ = ["Sample", "Timeline", "record", "default_timeline", "plot_timeline"]
 
@@ -29,8 +34,6 @@ class Sample:
 
 def _default_sampler(device: Any) -> Callable[[], Tuple[int, int]]:
     def sample() -> Tuple[int, int]:
-        from .views import allocated_reserved, tracked_devices
-
         return allocated_reserved(tracked_devices() if device is None else [device])
 
     return sample
@@ -47,14 +50,15 @@ class Timeline:
                  sampler: Optional[Callable[[], Tuple[int, int]]] = None):
         self.device = device
         self.interval = float(interval)
-        self.samples: "collections.deque[Sample]" = collections.deque(maxlen=maxlen)
+        self.samples: collections.deque[Sample] = collections.deque(maxlen=maxlen)
         self._sampler = sampler or _default_sampler(device)
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
     # -- adding samples -------------------------------------------------------------------
-    def add(self, allocated: int, reserved: int, t: Optional[float] = None, label: Optional[str] = None) -> Sample:
+    def add(self, allocated: int, reserved: int, t: Optional[float] = None,
+            label: Optional[str] = None) -> Sample:
         s = Sample(time.monotonic() if t is None else float(t), int(allocated), int(reserved), label)
         with self._lock:
             self.samples.append(s)
@@ -82,7 +86,7 @@ class Timeline:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, interval: Optional[float] = None) -> "Timeline":
+    def start(self, interval: Optional[float] = None) -> Timeline:
         if interval is not None:
             self.interval = float(interval)
         if self.running:
@@ -101,14 +105,14 @@ class Timeline:
         self._thread.start()
         return self
 
-    def stop(self) -> "Timeline":
+    def stop(self) -> Timeline:
         self._stop.set()
         th, self._thread = self._thread, None
         if th is not None:
             th.join(timeout=max(1.0, 2 * self.interval))
         return self
 
-    def __enter__(self) -> "Timeline":
+    def __enter__(self) -> Timeline:
         try:
             self.sample(label="start")
         except Exception:
@@ -157,7 +161,8 @@ def default_timeline() -> Timeline:
 
 
 @contextlib.contextmanager
-def record(interval: float = 0.05, device: Any = None, timeline: Optional[Timeline] = None) -> Iterator[Timeline]:
+def record(interval: float = 0.05, device: Any = None,
+           timeline: Optional[Timeline] = None) -> Iterator[Timeline]:
     """Sample allocated/reserved every ``interval`` seconds in a background thread while the block runs."""
     tl = timeline if timeline is not None else Timeline(device=device, interval=interval)
     tl.interval = float(interval)
@@ -176,9 +181,8 @@ def plot_timeline(tl: Timeline, ax: Any = None, title: Optional[str] = None):
     else:
         fig = ax.figure
     peak = max([max(s.allocated, s.reserved) for s in snap] + [1])
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)):
-        if peak >= scale:
-            break
+    unit = unit_for(peak, largest="GiB")
+    scale = UNIT_BYTES[unit]
     if snap:
         t0 = snap[0].t
         xs = [s.t - t0 for s in snap]

@@ -1,40 +1,23 @@
-"""Human-readable views of allocator state: ``summary()``, ``plot()`` and the stats accessor.
+"""Human-readable views of allocator state: ``summary()`` and ``plot()``.
 
-Everything here works with gpumem's pool *and* with PyTorch's native caching allocator:
-figures come from ``gpumem.stats()`` when gpumem's pool is torch's allocator, otherwise from
-``torch.cuda.memory_stats()``.  Nothing here initialises CUDA: a process that has not touched
-the GPU yet is reported as such.
+Everything here works with gpumem's pool *and* with PyTorch's native caching allocator: figures come
+from ``gpumem.stats()`` when gpumem's pool is torch's allocator, otherwise from
+``torch.cuda.memory_stats()`` (the readers live in ``gpumem._stats``, the timeline and its drawing in
+``gpumem.timeline``).  Nothing here initialises CUDA: a process that has not touched the GPU yet is
+reported as such.
 """
 from __future__ import annotations
 
-import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional
 
+from ._format import fmt_bytes
+from ._optional import import_torch
+from ._stats import allocated_reserved, cuda_state, get_stats, pool_active, tracked_devices
+from .timeline import default_timeline, plot_timeline
+
+# get_stats, allocated_reserved, cuda_state, tracked_devices and fmt_bytes are re-exported: they
+# were first defined here, and callers import them from here.
 __all__ = ["get_stats", "allocated_reserved", "summary", "plot", "fmt_bytes", "cuda_state", "tracked_devices"]
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def fmt_bytes(n: Any, signed: bool = False) -> str:
-    """Format a byte count in binary units: ``fmt_bytes(3 << 30) == '3.00 GiB'``."""
-    try:
-        n = int(n)
-    except Exception:
-        return str(n)
-    sign = ""
-    if n < 0:
-        sign, n = "-", -n
-    elif signed and n > 0:
-        sign = "+"
-    if n < 1024:
-        return f"{sign}{n} B"
-    v = float(n)
-    for unit in _UNITS[1:]:
-        v /= 1024.0
-        if v < 1024.0 or unit == _UNITS[-1]:
-            digits = 2 if v < 10 else (1 if v < 100 else 0)
-            return f"{sign}{v:.{digits}f} {unit}"
-    return f"{sign}{n} B"  # pragma: no cover
 
 
 class Text(str):
@@ -43,103 +26,12 @@ class Text(str):
     def __repr__(self) -> str:  # pragma: no cover - trivial
         return str(self)
 
-    def _repr_pretty_(self, p, cycle):  # pragma: no cover - IPython only
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # pragma: no cover - IPython only
         p.text(str(self))
 
 
-def _torch():
-    try:
-        import torch  # noqa: F401
-        return torch
-    except Exception:
-        return None
-
-
-def _gpumem_pool_active() -> bool:
-    mod = sys.modules.get("gpumem")
-    fn = getattr(mod, "is_active", None) if mod is not None else None
-    if not callable(fn):
-        return False
-    try:
-        return bool(fn())
-    except Exception:
-        return False
-
-
-def cuda_state() -> str:
-    """'none' (no usable CUDA), 'uninitialized' (CUDA present, not touched yet) or 'ready'."""
-    torch = _torch()
-    if torch is None:
-        return "none"
-    try:
-        if not torch.cuda.is_available():
-            return "none"
-        if _gpumem_pool_active() or torch.cuda.is_initialized():
-            return "ready"
-        return "uninitialized"
-    except Exception:
-        return "none"
-
-
-def get_stats(device: Any = None) -> Dict[str, Any]:
-    """Flat allocator statistics for ``device`` (``torch.cuda.memory_stats`` keys).
-
-    Uses ``gpumem.stats(device)`` when gpumem's pool is the active allocator, else
-    ``torch.cuda.memory_stats(device)``.  Returns ``{}`` without CUDA or before CUDA is initialised
-    (never initialises CUDA itself).
-    """
-    mod = sys.modules.get("gpumem")
-    st = getattr(mod, "stats", None) if mod is not None else None
-    if callable(st) and _gpumem_pool_active():
-        try:
-            return dict(st(device))
-        except Exception:
-            pass
-    torch = _torch()
-    if torch is None:
-        return {}
-    try:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return {}
-        return dict(torch.cuda.memory_stats(device))
-    except Exception:
-        return {}
-
-
-def allocated_reserved(devices: List[Any]) -> Tuple[int, int]:
-    """Current allocated and reserved bytes, summed over ``devices``."""
-    a = r = 0
-    for d in devices:
-        s = get_stats(d)
-        a += int(s.get("allocated_bytes.all.current", 0))
-        r += int(s.get("reserved_bytes.all.current", 0))
-    return a, r
-
-
-def tracked_devices() -> List[int]:
-    """Indices of CUDA devices whose allocator may hold memory (never initialises CUDA)."""
-    if cuda_state() != "ready":
-        return []
-    torch = _torch()
-    try:
-        n = torch.cuda.device_count()
-    except Exception:
-        return []
-    out = []
-    try:
-        cur = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    except Exception:
-        cur = 0
-    for i in range(n):
-        s = get_stats(i)
-        if i == cur or s.get("reserved_bytes.all.current", 0) or s.get("allocated_bytes.all.current", 0):
-            out.append(i)
-    return out
-
-
-def _largest_free_native(device: int) -> Optional[int]:
+def _largest_free_native(torch: Any, device: int) -> Optional[int]:
     """Largest cached-but-free block of PyTorch's native allocator on ``device`` (from a snapshot)."""
-    torch = _torch()
     try:
         snap = torch.cuda.memory_snapshot()
     except Exception:
@@ -154,10 +46,9 @@ def _largest_free_native(device: int) -> Optional[int]:
     return best
 
 
-def _device_summary(i: int) -> List[str]:
-    torch = _torch()
+def _device_summary(torch: Any, i: int) -> List[str]:
     s = get_stats(i)
-    pool = "gpumem pool" if _gpumem_pool_active() else "PyTorch caching allocator"
+    pool = "gpumem pool" if pool_active() else "PyTorch caching allocator"
     try:
         name = torch.cuda.get_device_name(i)
     except Exception:
@@ -167,10 +58,11 @@ def _device_summary(i: int) -> List[str]:
     res = int(s.get("reserved_bytes.all.current", 0))
     res_peak = int(s.get("reserved_bytes.all.peak", 0))
     free_cached = max(res - alloc, 0)
+    largest: Optional[int]
     if "gpumem.largest_free_bytes" in s:
         largest = int(s.get("gpumem.largest_free_bytes", 0))
     else:
-        largest = _largest_free_native(i)
+        largest = _largest_free_native(torch, i)
     lines = [f"GPU {i} ({name}) - {pool}"]
     lines.append(f"  allocated     {fmt_bytes(alloc):>11}   peak {fmt_bytes(alloc_peak)}")
     lines.append(f"  reserved      {fmt_bytes(res):>11}   peak {fmt_bytes(res_peak)}")
@@ -179,7 +71,8 @@ def _device_summary(i: int) -> List[str]:
         frag = f"   fragmentation {100.0 * (1.0 - min(largest, free_cached) / free_cached):.1f}%"
     lines.append(f"  cached free   {fmt_bytes(free_cached):>11}{frag}")
     if largest is not None:
-        lines.append(f"  largest free  {fmt_bytes(largest):>11}   (biggest block available without new device memory)")
+        lines.append(f"  largest free  {fmt_bytes(largest):>11}   "
+                     f"(biggest block available without new device memory)")
     cap = s.get("gpumem.cap_bytes")
     if cap is not None:
         lines.append(f"  cap           {fmt_bytes(cap) if cap else 'none':>11}")
@@ -188,7 +81,8 @@ def _device_summary(i: int) -> List[str]:
         lines.append(f"  OOMs          {int(ooms):>11}")
     try:
         free, total = torch.cuda.mem_get_info(i)
-        lines.append(f"  device        {fmt_bytes(total - free):>11} used of {fmt_bytes(total)} (all processes)")
+        lines.append(f"  device        {fmt_bytes(total - free):>11} used of {fmt_bytes(total)} "
+                     f"(all processes)")
     except Exception:
         pass
     return lines
@@ -197,14 +91,14 @@ def _device_summary(i: int) -> List[str]:
 def summary(device: Any = None) -> str:
     """A short human-readable memory summary (allocated, reserved, peaks, fragmentation,
     largest free block, cap) for ``device`` (index, ``torch.device`` or None = every device in use)."""
+    torch = import_torch()
+    if torch is None:
+        return Text("gpumem: PyTorch is not importable, so there is no GPU memory to show.")
     state = cuda_state()
     if state == "none":
-        if _torch() is None:
-            return Text("gpumem: PyTorch is not importable, so there is no GPU memory to show.")
         return Text("gpumem: no CUDA device available (torch.cuda.is_available() is False); nothing on GPU.")
     if state == "uninitialized":
         return Text("gpumem: CUDA is available but not initialised yet; nothing allocated on any GPU.")
-    torch = _torch()
     if device is None:
         devs = tracked_devices()
     else:
@@ -215,7 +109,7 @@ def summary(device: Any = None) -> str:
     lines: List[str] = []
     for i in devs:
         try:
-            lines.extend(_device_summary(i))
+            lines.extend(_device_summary(torch, i))
         except Exception as e:  # never raise from a view
             lines.append(f"GPU {i}: could not read allocator stats ({type(e).__name__}: {e})")
     return Text("\n".join(lines) if lines else "gpumem: no GPU memory in use.")
@@ -228,8 +122,6 @@ def plot(timeline: Any = None, ax: Any = None, title: Optional[str] = None):
     Jupyter extension fills per cell and that :func:`gpumem.timeline.record` can sample into).
     Does not need a display (uses ``matplotlib.figure.Figure`` directly, no pyplot).
     """
-    from .timeline import default_timeline, plot_timeline
-
     tl = timeline if timeline is not None else default_timeline()
     if len(tl) == 0:
         try:

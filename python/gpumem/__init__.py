@@ -12,22 +12,37 @@ keep working and tell the truth about gpumem's pool. ``gpumem.status_line()`` sa
 
 Importing gpumem never fails for lack of a GPU or of torch: the features that need them say so when
 they are used.
+
+What users call is ``gpumem.<name>`` (``__all__``); the underscored modules (``_C``, the compiled core;
+``_bridge``, the compiled torch allocator; ``_torch``, its registration) are internals.
+
+* torch's allocator: ``status_line()``, ``is_active()``, ``stats()``, ``trim()``, ``set_cap()``,
+  ``cap()``, ``validate()``, ``mem_pool()`` (a ``torch.cuda.MemPool`` backed by gpumem, for when CUDA
+  started first; ``pool`` is its former name, kept as an alias).
+* Out of memory: allocations through torch raise ``torch.cuda.OutOfMemoryError``; direct use of
+  ``Pool`` raises ``OutOfMemoryError`` (gpumem's core error); ``is_oom_error(exc)`` recognises both,
+  and cuBLAS/cuDNN allocation failures.
+* The core pool for direct use: ``Pool`` on a ``SimulatedDevice`` (no GPU needed) or on
+  ``cuda_upstream(kind, device)``; ``validate()`` raises ``InvariantViolation``; ``parse_config``,
+  ``replay``.
+* Tools: ``find_batch_size``, ``cleanup``, ``summary``, ``plot``, ``record``, ``%load_ext gpumem``.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from . import _C
-from ._C import OutOfMemoryError, Pool, SimulatedDevice
-from .config import parse_config
-from .replay import replay
 from . import _torch
+from ._C import InvariantViolation, OutOfMemoryError, Pool, SimulatedDevice, cuda_upstream
+from ._errors import is_oom_error
+from .config import Config, parse_config
+from .replay import replay
 
 __version__ = "0.1.0"
 
 # Registers the pool as torch's CUDA allocator when it can; raises ValueError for a bad GPUMEM_CONF.
 _torch.install()
-from ._torch import is_active, pool, stats, status_line  # noqa: E402
+from ._torch import is_active, mem_pool, pool, stats, status_line  # noqa: E402
+from .allocator import cap, set_cap, trim, validate  # noqa: E402
 
 # These import torch only inside their functions. Imported here so that `gpumem.cleanup` is the
 # function even after some module has imported the `gpumem.cleanup` submodule.
@@ -64,6 +79,14 @@ def __dir__() -> list:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["OutOfMemoryError", "Pool", "SimulatedDevice", "parse_config", "replay", "is_active", "pool",
-           "stats", "status_line", "cleanup", "CleanupReport", "summary", "plot", "Timeline", "record",
-           "load_ipython_extension", "unload_ipython_extension", *_LAZY]
+__all__ = [
+    # torch's CUDA allocator
+    "status_line", "is_active", "stats", "trim", "set_cap", "cap", "validate", "mem_pool", "pool",
+    # out of memory
+    "OutOfMemoryError", "is_oom_error",
+    # the core pool, for direct use
+    "Pool", "SimulatedDevice", "cuda_upstream", "InvariantViolation", "Config", "parse_config", "replay",
+    # tools
+    "find_batch_size", "BatchSizeResult", "BatchSizeError", "cleanup", "CleanupReport", "summary", "plot",
+    "Timeline", "record", "load_ipython_extension", "unload_ipython_extension",
+]

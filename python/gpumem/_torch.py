@@ -6,7 +6,7 @@
 * ``GPUMEM_CONF`` is invalid        -> ``ValueError`` naming the key (checked first, GPU or not).
 * no torch / CPU-only torch / the bridge (``gpumem._bridge``) not built -> gpumem still imports;
   ``status_line()`` says what is missing.
-* CUDA already initialized          -> one warning saying what to do; ``with gpumem.pool(): ...``
+* CUDA already initialized          -> one warning saying what to do; ``with gpumem.mem_pool(): ...``
   still routes allocations to gpumem through ``torch.cuda.MemPool``.
 * otherwise                         -> registered; ``gc.collect()`` runs before an allocation fails
   (unless ``gc_on_oom:false``).
@@ -19,7 +19,9 @@ import os
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
-__all__ = ["install", "is_active", "pool", "stats", "status_line"]
+from ._optional import torch_or_reason
+
+__all__ = ["install", "is_active", "mem_pool", "pool", "stats", "status_line"]
 
 _DISABLE_VALUES = {"1", "true", "yes", "on"}
 
@@ -45,7 +47,7 @@ def _parse_conf(conf: str) -> Optional[Dict[str, Any]]:
 
 
 def _import_bridge() -> Any:
-    from . import _bridge as bridge  # type: ignore[attr-defined]
+    from . import _bridge as bridge
 
     return bridge
 
@@ -71,10 +73,9 @@ def _init_bridge(torch: Any) -> Any:
 
 def _torch_with_cuda() -> Any:
     """torch, or a string saying why it cannot be used."""
-    try:
-        import torch
-    except Exception as e:  # not installed, or broken
-        return f"gpumem: PyTorch is not importable ({type(e).__name__}: {e}); the torch bridge is skipped"
+    torch, why = torch_or_reason()
+    if torch is None:
+        return f"gpumem: PyTorch is not importable ({why}); the torch bridge is skipped"
     if getattr(torch.version, "cuda", None) is None:
         return (f"gpumem: PyTorch {torch.__version__} is a CPU-only build; the torch bridge is skipped "
                 f"(install a CUDA build of torch and reinstall gpumem)")
@@ -111,14 +112,15 @@ def install() -> str:
         return _status
     if torch.cuda.is_initialized():
         _status = ("gpumem: CUDA was initialized before gpumem was imported, so torch's own allocator "
-                   "stays in charge; `with gpumem.pool(): ...` routes allocations to gpumem")
+                   "stays in charge; `with gpumem.mem_pool(): ...` routes allocations to gpumem")
         if not _warned:
             _warned = True
             warnings.warn(
                 "gpumem could not become PyTorch's CUDA allocator because CUDA was already "
                 "initialized in this process. Import gpumem before anything touches the GPU (first "
                 "line of the script / first notebook cell, then restart the kernel), or use "
-                "`with gpumem.pool(): ...` for the allocations that should come from gpumem.",
+                "`with gpumem.mem_pool(): ...` (alias gpumem.pool) for the allocations that should "
+                "come from gpumem.",
                 RuntimeWarning, stacklevel=3)
         return _status
     bridge.register()
@@ -150,7 +152,7 @@ def _device_index(torch: Any, device: Any) -> int:
 
 
 @contextlib.contextmanager
-def pool(device: Any = None) -> Iterator[Any]:
+def mem_pool(device: Any = None) -> Iterator[Any]:
     """Allocations inside come from gpumem, even when CUDA started before ``import gpumem``.
 
     Uses ``torch.cuda.MemPool(allocator=gpumem)`` + ``torch.cuda.use_mem_pool``: torch's allocator
@@ -166,9 +168,13 @@ def pool(device: Any = None) -> Iterator[Any]:
         return
     index = _device_index(torch, device)
     with torch.cuda.device(index):
-        mem_pool = torch.cuda.MemPool(bridge.allocator())
-    with torch.cuda.use_mem_pool(mem_pool, device=index):
-        yield mem_pool
+        mp = torch.cuda.MemPool(bridge.allocator())
+    with torch.cuda.use_mem_pool(mp, device=index):
+        yield mp
+
+
+#: The former name of :func:`mem_pool`, kept as an alias.
+pool = mem_pool
 
 
 def stats(device: Any = None) -> Dict[str, Any]:

@@ -22,11 +22,15 @@ from . import _C
 
 
 class Config(TypedDict):
-    upstream: str
-    cap_bytes: int
-    cap_fraction: float
-    release: str
-    gc_on_oom: bool
+    """A parsed ``GPUMEM_CONF``: every key the core's ``parse_config`` returns, defaults filled in."""
+
+    upstream: str  # "auto", "vmm" or "segments"
+    cap_bytes: int  # the cap as bytes (0 = none) ...
+    cap_fraction: float  # ... or as a fraction of the device's memory (0.0 = none)
+    release: str  # "lazy" or "high_water"
+    release_slack: float  # high_water: how far reserved may exceed the live high water (0.005)
+    page_size: int  # bytes per physical page of large arenas, a multiple of 2 MiB (8 MiB)
+    gc_on_oom: bool  # run gc.collect() before failing an allocation
 
 
 def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:

@@ -147,9 +147,15 @@ def test_oom_by_exception_and_by_message():
     target = 8 * GiB
     fn = lambda b: GiB + b * 64 * MiB  # noqa: E731
     for kind in ("torch", "cublas"):
-        # the device limit is lower than the target: failures arrive as exceptions, not peaks
-        out, m = check(fn, target=6 * GiB, limit=6 * GiB, oom_kind=kind)
-        assert any(t.outcome == "oom" for t in out.trials) or out.batch_size == 80
+        # the device limit (6 GiB) is lower than the target: every failure arrives as an exception
+        # (torch's OOM type, or cuBLAS's message), never as a peak over the target
+        m = Curve(fn, 6 * GiB, oom_kind=kind)
+        out = _search(m, target, 1, 1 << 16)
+        assert out.batch_size == true_max(fn, 6 * GiB) == 80, (kind, m.calls)
+        assert any(t.batch_size == 80 and t.fits for t in out.trials)
+        ooms = [t for t in out.trials if t.outcome == "oom"]
+        assert ooms and all(t.batch_size > 80 for t in ooms), (kind, out.trials)
+        assert not any(t.outcome == "over" for t in out.trials)
 
 
 def test_nothing_fits():

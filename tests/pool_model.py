@@ -1,0 +1,48 @@
+"""What a correct pool must agree with, shared by the pool tests (tests/test_pool*.py): live blocks,
+their sizes, nothing overlapping, nothing leaking, reserved never past the cap."""
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def flat(stats, key, which="current"):
+    return stats[key]["all"][which]
+
+
+class Model:
+    """What a correct pool must agree with: live blocks, their sizes, nothing overlapping."""
+
+    def __init__(self, pool, device):
+        self.pool, self.device = pool, device
+        self.live = {}  # address -> (requested, stream)
+        self.reserved = 0  # reserved bytes at the previous check
+
+    def check(self):
+        self.pool.validate()
+        s = self.pool.stats()
+        assert flat(s, "allocation") == len(self.live)
+        assert flat(s, "requested_bytes") == sum(r for r, _ in self.live.values())
+        rounded = sum(-(-r // 512) * 512 for r, _ in self.live.values())
+        assert flat(s, "allocated_bytes") == rounded
+        # Every byte the device handed out is accounted as reserved: nothing leaks.
+        assert self.device.used_bytes == flat(s, "reserved_bytes")
+        # No operation takes reserved past the cap (or the limit: effective_cap is the lower one).
+        # Reserved stays above it only where set_cap() / set_limit() lowered it below pages that live
+        # blocks pin: then nothing makes it grow.
+        bound = self.pool.effective_cap
+        reserved = flat(s, "reserved_bytes")
+        assert reserved <= max(bound, self.reserved), (reserved, bound, self.reserved)
+        self.reserved = reserved
+        spans = sorted((a, -(-r // 512) * 512) for a, (r, _) in self.live.items())
+        for (a, n), (b, _) in zip(spans, spans[1:]):
+            assert a + n <= b, "live blocks overlap"
+        for a, _ in spans:
+            assert a % 512 == 0
+
+
+def random_size(rng):
+    kind = rng.random()
+    if kind < 0.5:
+        return rng.randint(1, 1 * MiB)  # small pool
+    if kind < 0.9:
+        return rng.randint(1 * MiB + 1, 64 * MiB)
+    return rng.randint(64 * MiB, 600 * MiB)

@@ -1,0 +1,278 @@
+"""The pool on the simulated device, continued: allocate_at (placing a block at a given address, for
+CUDA-graph checkpoints), try_free, the limit beside the cap, and the segment observer; a randomized
+test against the reference model of tests/pool_model.py with the invariant checker after every
+operation."""
+import random
+import sys
+
+import pytest
+
+from gpumem import _C
+from pool_model import GiB, MiB, Model, flat, random_size
+
+
+def _round(n):
+    return -(-n // 512) * 512
+
+
+@pytest.mark.parametrize("kind", ["vmm", "segments"])
+@pytest.mark.parametrize("release", ["high_water", "lazy"])
+@pytest.mark.parametrize("seed", [3, 4])
+def test_randomized_allocate_at_free_and_limits_keep_every_invariant(kind, release, seed):
+    """allocate / free / allocate_at (at freed addresses and at random addresses in regions) / set_limit,
+    with validate() and a model of live blocks checked after every operation."""
+    rng = random.Random(seed)
+    device = _C.SimulatedDevice(kind, 2 * GiB)
+    pool = _C.Pool(device, release=release)
+    m = Model(pool, device)
+    recently_freed = []  # (address, requested size), the last 16 frees
+    counts = {"at_ok": 0, "at_freed_ok": 0, "at_refused": 0, "at_oom": 0, "oom": 0}
+
+    def overlaps_live(address, size):
+        return any(a < address + size and address < a + _round(r) for a, (r, _) in m.live.items())
+
+    def live_fingerprint():
+        s = pool.stats()
+        figures = [s[k]["all"][w] for k in ("allocation", "active", "allocated_bytes", "active_bytes",
+                                            "requested_bytes") for w in ("current", "peak", "allocated", "freed")]
+        return figures, sorted(m.live)
+
+    def allocate_at(address, size, expect_free):
+        before = live_fingerprint()
+        try:
+            assert pool.allocate_at(address, size) == address
+        except ValueError as e:
+            counts["at_refused"] += 1
+            msg = str(e)
+            assert "nothing was changed" in msg
+            # Only a segment given back to the device makes a freed address leave every region; a
+            # range free of live blocks may still run past its region's end (a freed block enlarged).
+            vanished = kind == "segments" and "outside every region" in msg
+            past_end = "runs past the end" in msg
+            if expect_free:
+                assert vanished or past_end, msg
+            else:
+                assert vanished or past_end or "overlaps the live block" in msg, msg
+            assert live_fingerprint() == before
+            return False
+        except _C.OutOfMemoryError as e:
+            counts["at_oom"] += 1
+            assert expect_free and kind == "vmm", str(e)  # only pages to map can fail
+            assert "tried to allocate" in str(e) and "at 0x" in str(e)
+            assert live_fingerprint() == before
+            return False
+        assert expect_free, f"allocate_at({address:#x}, {size}) over a live block succeeded"
+        m.live[address] = (size, None)
+        return True
+
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.35:
+            size = random_size(rng) if rng.random() < 0.7 else rng.randint(1, 64 * 1024)
+            try:
+                ptr = pool.allocate(size, rng.choice([0, 7]))
+            except _C.OutOfMemoryError:
+                counts["oom"] += 1
+            else:
+                assert ptr not in m.live
+                m.live[ptr] = (size, None)
+        elif op < 0.6 and m.live:
+            ptr = rng.choice(list(m.live))
+            size, _ = m.live.pop(ptr)
+            pool.free(ptr)
+            recently_freed.append((ptr, size))
+            del recently_freed[:-16]
+        elif op < 0.8 and recently_freed:
+            ptr, size = rng.choice(recently_freed)
+            if rng.random() < 0.3:
+                size = rng.randint(1, 2 * size)  # the same start, another size
+            if allocate_at(ptr, size, not overlaps_live(ptr, _round(size))):
+                counts["at_freed_ok"] += 1
+        elif op < 0.9:
+            regions = pool.snapshot()
+            if regions:
+                r = rng.choice(regions)
+                address = r["address"] + rng.randrange(0, max(1, r["total_size"] // 512)) * 512
+                size = rng.randint(1, min(8 * MiB, r["address"] + r["total_size"] - address))
+                # Free exactly when the range lies inside one inactive block of the snapshot.
+                expect_free = any(b["state"] == "inactive" and b["address"] <= address and
+                                  address + _round(size) <= b["address"] + b["size"] for b in r["blocks"])
+                assert expect_free == (not overlaps_live(address, _round(size)))
+                if allocate_at(address, size, expect_free):
+                    counts["at_ok"] += 1
+        elif op < 0.95:
+            reserved = pool.reserved_bytes
+            limit = rng.choice([None, None, 0, rng.randint(0, 2 * reserved + 1), reserved + rng.randint(0, GiB)])
+            pool.set_limit(limit)
+            assert pool.limit == limit
+            assert pool.effective_cap == min(device.total_bytes, GiB * 2 if limit is None else limit)
+            if limit is not None and pool.reserved_bytes > limit:
+                assert pool.reserved_bytes <= reserved  # released what it could
+            if limit == 0:
+                with pytest.raises(_C.OutOfMemoryError, match="limit 0 B"):
+                    pool.allocate(1)
+        else:
+            pool.trim()
+        m.check()
+        assert pool.allocated_bytes == flat(pool.stats(), "allocated_bytes")
+        assert pool.reserved_bytes == flat(pool.stats(), "reserved_bytes")
+        for ptr, (size, _) in m.live.items():
+            assert pool.allocation_size(ptr) == _round(size)
+        for ptr, _ in recently_freed:
+            if ptr not in m.live:
+                assert pool.allocation_size(ptr) == 0 and pool.live_block(ptr) is None
+    pool.set_limit(None)
+    for ptr in list(m.live):
+        assert pool.try_free(ptr)
+        assert not pool.try_free(ptr)
+    m.live.clear()
+    pool.trim()
+    m.check()
+    assert device.used_bytes == 0
+    assert counts["at_freed_ok"] > 20 and counts["at_ok"] > 10 and counts["at_refused"] > 10, counts
+
+
+def test_allocate_at_round_trip_and_refusals_through_the_binding():
+    device = _C.SimulatedDevice("vmm", 4 * GiB)
+    pool = _C.Pool(device, release="lazy")
+    blocks = [(pool.allocate(size), size) for size in (1000, 3 * MiB, 200 * 1024, 40 * MiB, 512)]
+    before = pool.stats()
+    for ptr, _ in blocks:
+        pool.free(ptr)
+    for ptr, size in reversed(blocks):
+        assert pool.allocate_at(ptr, size) == ptr
+        assert pool.live_block(ptr) == {"address": ptr, "size": _round(size), "requested_size": size,
+                                        "state": "active_allocated"}
+    after = pool.stats()
+    for key in ("allocation", "allocated_bytes", "requested_bytes", "active_bytes", "reserved_bytes", "segment"):
+        assert flat(after, key) == flat(before, key)
+    pool.validate()
+    ptr = blocks[1][0]
+    with pytest.raises(ValueError, match="overlaps the live block"):
+        pool.allocate_at(ptr + 512, 512)
+    with pytest.raises(ValueError, match="not a multiple of 512"):
+        pool.allocate_at(ptr + 1, 512)
+    with pytest.raises(ValueError, match="outside every region"):
+        pool.allocate_at(0xDEAD000, 512)
+    with pytest.raises(ValueError, match="must be positive"):
+        pool.allocate_at(ptr, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        pool.allocate_at(ptr, -1)
+    assert pool.try_free(ptr) and not pool.try_free(ptr) and not pool.try_free(0xDEAD000)
+    assert pool.live_block(ptr) is None
+    pool.validate()
+
+
+def test_limit_is_separate_from_the_cap_and_accepts_anything():
+    device = _C.SimulatedDevice("segments", 4 * GiB)
+    pool = _C.Pool(device, cap=GiB)
+    assert pool.limit is None and pool.effective_cap == GiB
+    a = pool.allocate(100 * MiB)
+    pool.set_limit(0)  # below live: accepted, unlike set_cap
+    assert pool.limit == 0 and pool.effective_cap == 0 and pool.cap == GiB
+    with pytest.raises(_C.OutOfMemoryError, match="limit 0 B"):
+        pool.allocate(512)
+    pool.set_limit(512 * MiB)
+    assert pool.effective_cap == 512 * MiB
+    with pytest.raises(_C.OutOfMemoryError):
+        pool.allocate(450 * MiB)
+    pool.set_limit(None)
+    b = pool.allocate(450 * MiB)
+    with pytest.raises(ValueError):
+        pool.set_limit(-1)
+    with pytest.raises(TypeError):
+        pool.set_limit(0.5)
+    pool.free(a)
+    pool.free(b)
+    pool.validate()
+
+
+@pytest.mark.parametrize("kind", ["vmm", "segments"])
+def test_segment_observer_reports_every_change_of_reserved(kind, monkeypatch):
+    device = _C.SimulatedDevice(kind, 2 * GiB)
+    pool = _C.Pool(device, release="lazy")
+    events = []
+    pool.set_segment_observer(lambda *e: events.append(e))
+    rng = random.Random(5)
+    live = []
+    net = 0
+    for _ in range(400):
+        op = rng.random()
+        try:
+            if op < 0.5 or not live:
+                live.append(pool.allocate(rng.randint(1, 80 * MiB), rng.choice([0, 3])))
+            elif op < 0.85:
+                pool.free(live.pop(rng.randrange(len(live))))
+            elif op < 0.92:
+                pool.trim()
+            else:
+                pool.set_limit(rng.choice([None, rng.randint(0, GiB)]))
+        except _C.OutOfMemoryError:
+            pass
+        for name, address, size, stream in events:
+            assert name in (("map", "unmap") if kind == "vmm" else ("segment_alloc", "segment_free"))
+            assert address > 0 and size > 0 and stream in (0, 3)
+            net += size if name in ("map", "segment_alloc") else -size
+        events.clear()
+        assert net == pool.reserved_bytes == device.used_bytes
+    # An observer that calls back into the pool gets a RuntimeError (reported as unraisable), not a
+    # deadlock; one that raises leaves the pool consistent.
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    pool.set_segment_observer(lambda *e: pool.stats())
+    pool.set_limit(None)
+    for p in live:
+        pool.free(p)
+    live = [pool.allocate(300 * MiB)]
+    assert seen and isinstance(seen[0], RuntimeError) and "must not call into a pool" in str(seen[0])
+    pool.set_segment_observer(None)
+    pool.free(live.pop())
+    pool.trim()
+    assert not events and pool.reserved_bytes == device.used_bytes == 0
+    pool.validate()
+
+
+def test_segment_observer_with_threads_does_not_deadlock():
+    import threading
+
+    device = _C.SimulatedDevice("vmm", 8 * GiB, 2 * MiB)
+    pool = _C.Pool(device, release="high_water", page_size=2 * MiB)
+    lock = threading.Lock()
+    totals = {"map": 0, "unmap": 0}
+
+    def observer(name, address, size, stream):
+        with lock:
+            totals[name] += size
+
+    pool.set_segment_observer(observer)
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(1500):
+                r = rng.random()
+                if mine and r < 0.45:
+                    pool.free(mine.pop(rng.randrange(len(mine))))
+                elif r < 0.5:
+                    pool.trim()
+                elif r < 0.55:
+                    pool.stats()
+                else:
+                    mine.append(pool.allocate(rng.randint(1, 16 * MiB), seed % 2))
+            for p in mine:
+                pool.free(p)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "deadlock between the observer and the pool's lock"
+    assert not errors
+    pool.set_segment_observer(None)
+    pool.validate()
+    assert totals["map"] - totals["unmap"] == pool.reserved_bytes == device.used_bytes

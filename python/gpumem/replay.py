@@ -15,7 +15,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from . import _C
 
@@ -53,7 +53,8 @@ def bundled_traces() -> list[Path]:
 
 
 def reference_ratios() -> dict:
-    """PyTorch's own fragmentation on the bundled traces' workloads, measured live (see the JSON's _source)."""
+    """PyTorch's own fragmentation on the bundled traces' workloads, measured live (see the JSON's
+    _source)."""
     return json.loads((TRACES_DIR / "reference.json").read_text())
 
 
@@ -77,7 +78,7 @@ def replay(
     page_size = _C.DEFAULT_PAGE_SIZE if page_size is None else page_size
     loaded = _load(Path(trace))
     device = _C.SimulatedDevice(upstream, capacity)  # CUDA's 2 MiB granularity
-    options = {} if release_slack is None else {"release_slack": release_slack}
+    options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
     pool = _C.Pool(device, release=release, page_size=page_size, **options)
     result = _C.replay(loaded, pool, progress)
     return ReplayReport(
@@ -94,7 +95,7 @@ def replay(
     )
 
 
-def _load(path: Path) -> "_C.Trace":
+def _load(path: Path) -> _C.Trace:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such trace file")
     if _C.HAS_ZLIB or path.read_bytes()[:2] != b"\x1f\x8b":

@@ -1,6 +1,7 @@
 // The fuzz harness: a byte stream decoded into pool operations (allocate with sizes and streams, free,
-// bad frees, record_stream, event completion, trim, cap changes, upstream faults, OOM callbacks),
-// run against the simulated device, with every operation checked against a plain reference model.
+// bad frees, record_stream, event completion, trim, cap changes, upstream faults, OOM callbacks,
+// allocate_at at recently freed or random addresses, limit changes), run against the simulated
+// device, with every operation checked against a plain reference model.
 //
 // After each operation:
 //   - Pool::validate() (the pool's own invariant checker);
@@ -17,8 +18,13 @@
 //     last used it were synchronised;
 //   - an OutOfMemoryError carries the figures stats() shows, and, when no fault was injected, it is
 //     justified: no free block of the arena fits and mapping / a new segment would pass the cap;
-//   - InvalidArgument for a bad free / record_stream / cap leaves the pool exactly as it was;
-//   - a successful allocation never takes reserved past the cap or the device.
+//   - InvalidArgument for a bad free / record_stream / cap leaves the pool exactly as it was, and
+//     try_free of such a pointer returns false, changing nothing;
+//   - allocate_at succeeds exactly where the model says the range is free (inside a region, clear of
+//     live blocks and of pending blocks whose events are not done), or fails with an OOM there that is
+//     justified as above; elsewhere it throws InvalidArgument. A failure changes no live block, no
+//     allocation statistic, and (when nothing was released or recycled) nothing at all;
+//   - a successful allocation never takes reserved past the cap, the limit or the device.
 // The same function is driven by libFuzzer (fuzz_pool) and by a plain driver (fuzz_replay, fuzz_main.cpp).
 #include <algorithm>
 #include <cinttypes>
@@ -33,6 +39,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -128,12 +135,6 @@ class CheckedDevice : public Upstream {
     if (a) range_bytes_[a] = bytes;
     return a;
   }
-  // The size of the address range the pool reserved at `base` (a paged region's size).
-  std::size_t range_bytes(std::uintptr_t base) const {
-    auto it = range_bytes_.find(base);
-    REQUIRE(it != range_bytes_.end(), "a paged region the pool never reserved");
-    return it->second;
-  }
   void release_address_range(std::uintptr_t address, std::size_t bytes) override {
     sim_->release_address_range(address, bytes);
   }
@@ -208,6 +209,20 @@ class CheckedDevice : public Upstream {
     return missing;
   }
 
+  // The regions the pool holds (paged address ranges, or segments): base -> bytes.
+  const std::map<std::uintptr_t, std::size_t>& regions() const {
+    return kind() == UpstreamKind::kPages ? range_bytes_ : segments_;
+  }
+  // The region holding `a`, as {base, bytes}; {0, 0} when none does.
+  std::pair<std::uintptr_t, std::size_t> region_of(std::uintptr_t a) const {
+    const auto& r = regions();
+    auto it = r.upper_bound(a);
+    if (it == r.begin()) return {0, 0};
+    --it;
+    if (a - it->first >= it->second) return {0, 0};
+    return {it->first, it->second};
+  }
+
   // A block the model freed on its own stream: the memory may be used there until a synchronisation.
   void freed_on(std::uintptr_t a, std::size_t n, StreamId s) { unsynced_.push_back({a, n, s}); }
 
@@ -227,7 +242,7 @@ class CheckedDevice : public Upstream {
   }
   void check_release(std::uintptr_t a, std::size_t n, const char* what) {
     if (live) {
-      auto it = live->upper_bound(a + n);
+      auto it = live->lower_bound(a + n);
       if (it != live->begin()) {
         --it;
         REQUIRE(!overlaps(a, n, it->first, it->second),
@@ -270,8 +285,9 @@ struct Live {
 
 constexpr StreamId kStreams[4] = {0, 1, 7, 0xdead0000};
 
-// The pool's observable state, to prove that a rejected call changed nothing.
-std::string fingerprint(const Pool& pool) {
+// The pool's observable state, to prove that a rejected call changed nothing. Without `counters`, the
+// OOM / retry / upstream call counts are left out.
+std::string fingerprint(const Pool& pool, bool counters = true) {
   DeviceStats s = pool.stats();
   std::ostringstream o;
   auto arr = [&](const StatArray& a) {
@@ -279,11 +295,24 @@ std::string fingerprint(const Pool& pool) {
   };
   arr(s.allocation), arr(s.segment), arr(s.active), arr(s.allocated_bytes), arr(s.reserved_bytes),
       arr(s.active_bytes), arr(s.requested_bytes), arr(s.inactive_split_bytes);
-  o << s.num_alloc_retries << ',' << s.num_ooms << ',' << s.num_device_alloc << ',' << s.num_device_free;
+  if (counters) o << s.num_alloc_retries << ',' << s.num_ooms << ',' << s.num_device_alloc << ',' << s.num_device_free;
   for (const RegionInfo& r : pool.snapshot()) {
     o << '|' << r.address << ',' << r.size << ',' << r.reserved;
     for (const BlockInfo& b : r.blocks) o << ' ' << b.address << ',' << b.size << ',' << b.requested << ',' << b.state;
   }
+  return o.str();
+}
+
+// What no failed allocation may change, whatever it released or recycled: the allocation statistics
+// and the allocated blocks.
+std::string live_fingerprint(const Pool& pool) {
+  DeviceStats s = pool.stats();
+  std::ostringstream o;
+  for (const StatArray* a : {&s.allocation, &s.allocated_bytes, &s.requested_bytes})
+    for (const Stat& x : *a) o << x.current << ',' << x.peak << ',' << x.allocated << ',' << x.freed << ';';
+  for (const RegionInfo& r : pool.snapshot())
+    for (const BlockInfo& b : r.blocks)
+      if (b.state == BlockInfo::kAllocated) o << ' ' << b.address << ',' << b.size << ',' << b.requested;
   return o.str();
 }
 
@@ -338,7 +367,7 @@ class Harness {
     if (verbose()) std::fprintf(stderr, "%s\n", buf);
   }
 
-  std::size_t effective_cap() const { return cap_ ? cap_ : capacity_; }
+  std::size_t effective_cap() const { return std::min(cap_ ? cap_ : capacity_, limit_); }
   std::size_t limit() const { return std::min(effective_cap(), capacity_); }
 
   std::size_t pick_size() {
@@ -369,7 +398,7 @@ class Harness {
 
   void step() {
     std::uint8_t op = in_.u8();
-    switch (op % 20) {
+    switch (op % 22) {
       case 0: case 1: case 2: case 3: case 4: case 5: {
         std::size_t bytes = pick_size();
         StreamId s = kStreams[in_.u8() % 4];
@@ -443,6 +472,8 @@ class Harness {
         }
         break;
       }
+      case 20: do_allocate_at(); break;
+      case 21: do_set_limit(); break;
     }
   }
 
@@ -486,7 +517,7 @@ class Harness {
     REQUIRE(a != 0, "allocate returned null");
     REQUIRE(a % kAlignment == 0, "address not 512-aligned");
     REQUIRE(!live_.count(a), "address handed out twice");
-    auto it = live_.upper_bound(a + rounded);
+    auto it = live_.lower_bound(a + rounded);
     if (it != live_.begin()) {
       --it;
       REQUIRE(!overlaps(a, rounded, it->first, it->second),
@@ -530,46 +561,33 @@ class Harness {
     if (faulted || rounded > effective_cap()) return;
     // No fault: the OOM must be justified by the state the pool was left in.
     const bool small = rounded <= kSmallLimit;
+    const std::vector<RegionInfo> snap = pool_->snapshot();
     std::uintptr_t best = 0;
     std::size_t best_size = SIZE_MAX;
-    bool region_seen = false;
-    for (const RegionInfo& r : pool_->snapshot()) {
-      if (r.stream != s || r.small != small) continue;
-      region_seen = true;
-      std::uintptr_t end = r.address + r.size;
-      const std::size_t region_size = kind_ == UpstreamKind::kPages ? dev_->range_bytes(r.address) : r.size;
-      for (std::size_t i = 0; i < r.blocks.size(); ++i) {
-        const BlockInfo& b = r.blocks[i];
-        if (b.state != BlockInfo::kFree) continue;
-        std::size_t size = b.size;
-        // A paged region is reported up to its last mapped page: its last free block runs on.
-        if (kind_ == UpstreamKind::kPages && i + 1 == r.blocks.size())
-          size = region_size - (b.address - r.address);
-        if (size >= rounded && (size < best_size || (size == best_size && b.address < best)))
-          best = b.address, best_size = size;
-      }
-      if (kind_ == UpstreamKind::kPages && !r.blocks.empty()) {
-        const BlockInfo& last = r.blocks.back();
-        std::uintptr_t tail = last.address + last.size;
-        std::size_t size = r.address + region_size - tail;
-        if (last.state != BlockInfo::kFree && tail == end && size >= rounded && size < best_size)
-          best = tail, best_size = size;
-      }
-    }
+    auto consider = [&](const BlockInfo& b) {
+      if (b.state == BlockInfo::kFree && b.size >= rounded &&
+          (b.size < best_size || (b.size == best_size && b.address < best)))
+        best = b.address, best_size = b.size;
+    };
     if (kind_ == UpstreamKind::kPages) {
-      if (!region_seen) {
+      const std::vector<BlockInfo> blocks = paged_blocks(snap, s, small);
+      if (blocks.empty()) {
         // No mapped page in the arena: everything is free, so only the cap or the device can say no.
         REQUIRE(reserved + round_up(rounded, page_) > limit(),
                 "spurious OOM: empty arena, reserved " << reserved << " + " << rounded << " fits under "
                                                        << limit());
         return;
       }
+      for (const BlockInfo& b : blocks) consider(b);
       if (best_size == SIZE_MAX) return;  // the arena's address range has no gap that large
       std::size_t need = dev_->missing_pages(best, rounded) * page_;
       REQUIRE(reserved + need > limit(), "spurious OOM: best fit at 0x" << std::hex << best << std::dec
                                           << " needs " << need << " more bytes, reserved " << reserved
                                           << ", limit " << limit());
     } else {
+      for (const RegionInfo& r : snap)
+        if (r.stream == s && r.small == small)
+          for (const BlockInfo& b : r.blocks) consider(b);
       REQUIRE(best_size == SIZE_MAX, "spurious OOM: a free block of " << best_size << " bytes fits " << rounded);
       std::size_t seg = small ? kSmallSegment : rounded < kMidLimit ? kMidSegment : rounded;
       seg = round_up(seg, page_);
@@ -578,15 +596,51 @@ class Harness {
     }
   }
 
+  // The blocks of arena (stream, small)'s paged region as the pool has them, rebuilt from the
+  // snapshot, which reports runs of mapped pages with their blocks clipped to them: the unmapped
+  // space between runs lies in free blocks, merged with the free pieces beside it. Empty when the
+  // arena has no mapped page.
+  std::vector<BlockInfo> paged_blocks(const std::vector<RegionInfo>& snap, StreamId s, bool small) const {
+    std::vector<const RegionInfo*> runs;
+    for (const RegionInfo& r : snap)
+      if (r.stream == s && r.small == small) runs.push_back(&r);
+    if (runs.empty()) return {};
+    std::sort(runs.begin(), runs.end(), [](const RegionInfo* a, const RegionInfo* b) { return a->address < b->address; });
+    const auto [base, bytes] = dev_->region_of(runs.front()->address);
+    REQUIRE(bytes != 0, "a snapshot run outside every address range the pool reserved");
+    std::vector<BlockInfo> out;
+    auto add = [&](const BlockInfo& b) {
+      BlockInfo* last = out.empty() ? nullptr : &out.back();
+      REQUIRE(!last || last->address + last->size == b.address, "snapshot blocks leave a gap or overlap");
+      if (last && last->state == BlockInfo::kFree && b.state == BlockInfo::kFree) last->size += b.size;
+      else out.push_back(b);
+    };
+    std::uintptr_t cursor = base;
+    for (const RegionInfo* r : runs) {
+      REQUIRE(dev_->region_of(r->address).first == base, "one arena's runs lie in two address ranges");
+      if (r->address > cursor) add(BlockInfo{cursor, r->address - cursor, 0, BlockInfo::kFree, 0});
+      for (const BlockInfo& b : r->blocks) add(b);
+      cursor = r->address + r->size;
+    }
+    if (base + bytes > cursor) add(BlockInfo{cursor, base + bytes - cursor, 0, BlockInfo::kFree, 0});
+    return out;
+  }
+
   void do_free(std::uintptr_t a) {
     describe("free(0x%" PRIxPTR ")", a);
     Live l = live_info_.at(a);
     dev_->recorded_.clear();
-    pool_->free(a);
+    if (ops_ % 2) {
+      REQUIRE(pool_->try_free(a), "try_free of a live allocation returned false");
+    } else {
+      pool_->free(a);
+    }
     live_.erase(a);
     live_info_.erase(a);
     freed_.push_back(a);
     if (freed_.size() > 16) freed_.erase(freed_.begin());
+    freed_sizes_.emplace_back(a, l.requested);
+    if (freed_sizes_.size() > 16) freed_sizes_.erase(freed_sizes_.begin());
     dev_->freed_on(a, l.rounded, l.stream);
     REQUIRE(dev_->recorded_.size() == l.extra.size(),
             "free recorded " << dev_->recorded_.size() << " events for " << l.extra.size() << " extra streams");
@@ -629,6 +683,10 @@ class Harness {
         threw = true;
       }
       REQUIRE(threw, "record_stream of a pointer not live was accepted");
+    } else if (k & 16) {
+      describe("try_free(bad 0x%" PRIxPTR ")", bad);
+      REQUIRE(!pool_->try_free(bad), "try_free of a pointer not live returned true");
+      threw = true;
     } else {
       describe("free(bad 0x%" PRIxPTR ")", bad);
       try {
@@ -640,6 +698,147 @@ class Harness {
       REQUIRE(threw, "free of a pointer not live was accepted");
     }
     REQUIRE(fingerprint(*pool_) == before, "a rejected call changed the pool");
+  }
+
+  // allocate_at at a recently freed address (its size or another), inside a free block of the
+  // snapshot, at a random address in a region, or at a foreign one; the model says whether the range
+  // is free.
+  void do_allocate_at() {
+    std::uint8_t k = in_.u8();
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+    int mode = k % 4;  // 0, 1: a recently freed block; 2: inside a free block; 3: anywhere
+    if (mode < 2 && freed_sizes_.empty()) mode = 2;
+    std::vector<BlockInfo> free_blocks;
+    if (mode == 2)
+      for (const RegionInfo& r : pool_->snapshot())
+        for (const BlockInfo& b : r.blocks)
+          if (b.state == BlockInfo::kFree) free_blocks.push_back(b);
+    if (mode == 2 && free_blocks.empty()) mode = 3;
+    if (mode < 2) {
+      std::tie(address, bytes) = freed_sizes_[in_.u8() % freed_sizes_.size()];
+      if ((k & 12) == 12) bytes = 1 + std::size_t(in_.u16()) * 64;  // the same start, another size
+    } else if (mode == 2) {
+      const BlockInfo& b = free_blocks[in_.u16() % free_blocks.size()];
+      address = b.address + std::size_t(in_.u16()) % (b.size / kAlignment) * kAlignment;
+      bytes = 1 + std::size_t(in_.u32()) % (b.address + b.size - address);
+    } else if ((k & 24) != 24 && !dev_->regions().empty()) {
+      auto it = dev_->regions().begin();
+      std::advance(it, in_.u8() % dev_->regions().size());
+      // In a paged region, near the pages in use: mapped and unmapped ones.
+      const std::size_t span = std::min(it->second, capacity_ + 8 * page_);
+      address = it->first + std::size_t(in_.u32()) % (span / kAlignment) * kAlignment;
+      bytes = pick_size();
+    } else {
+      address = k & 32 ? 0 : 0x7f0000000000 + std::uintptr_t(in_.u32()) * 512;  // foreign
+      bytes = pick_size();
+    }
+    if ((k & 0xe0) == 0xe0) address += 1 + in_.u8() % 511;  // misaligned
+    describe("allocate_at(0x%" PRIxPTR ", %zu)", address, bytes);
+    if (live_.size() >= 256) return;
+
+    // The model's verdict.
+    const bool size_ok = bytes > 0 && bytes <= kMaxRequest;
+    const std::size_t rounded = size_ok ? round_up(bytes, kAlignment) : 0;
+    const auto [base, region_bytes] = dev_->region_of(address);
+    bool free = size_ok && address % kAlignment == 0 && region_bytes && rounded <= base + region_bytes - address;
+    if (free) {
+      auto it = live_.lower_bound(address + rounded);  // the last live block starting before the end
+      if (it != live_.begin() && overlaps(address, rounded, std::prev(it)->first, std::prev(it)->second))
+        free = false;
+    }
+    bool recyclable = false;  // a pending block whose events are done: the pool recycles it first
+    for (auto& p : pending_) {
+      bool done = true;
+      for (auto& t : p.tickets) done &= dev_->done(t);
+      recyclable |= done;
+      if (!done && free && overlaps(address, rounded, p.address, p.size)) free = false;
+    }
+
+    const DeviceStats before = pool_->stats();
+    const std::string all_before = fingerprint(*pool_), full_before = fingerprint(*pool_, false);
+    const std::string live_before = live_fingerprint(*pool_);
+    const std::uint64_t faults_before = sim_->faults_injected();
+    std::uintptr_t a = 0;
+    try {
+      a = pool_->allocate_at(address, bytes);
+    } catch (const InvalidArgument& e) {
+      if (verbose()) std::fprintf(stderr, "  -> InvalidArgument: %s\n", e.what());
+      REQUIRE(!free, "allocate_at refused a range the model says is free: " << e.what());
+      REQUIRE(std::string(e.what()).find("nothing was changed") != std::string::npos, "message: " << e.what());
+      REQUIRE(live_fingerprint(*pool_) == live_before, "a refused allocate_at changed a live block");
+      if (!recyclable)
+        REQUIRE(fingerprint(*pool_) == all_before, "a refused allocate_at changed the pool");
+      return;
+    } catch (const OutOfMemoryError& e) {
+      if (verbose()) std::fprintf(stderr, "  -> OOM: %s\n", e.what());
+      REQUIRE(free, "allocate_at threw OOM for a range that is not free: " << e.what());
+      REQUIRE(kind_ == UpstreamKind::kPages, "OOM on a segment, where nothing needs mapping");
+      ++ooms_;
+      DeviceStats st = pool_->stats();
+      const std::size_t reserved = st.reserved_bytes[kAggregate].current;
+      REQUIRE(e.requested == bytes && e.reserved == reserved && e.cap == cap_ &&
+                  e.allocated == std::size_t(st.allocated_bytes[kAggregate].current),
+              "allocate_at OOM figures wrong");
+      REQUIRE(st.num_ooms == before.num_ooms + 1, "num_ooms not counted");
+      REQUIRE(live_fingerprint(*pool_) == live_before, "a failed allocate_at changed a live block");
+      if (!recyclable && st.num_device_alloc == before.num_device_alloc &&
+          st.num_device_free == before.num_device_free)
+        REQUIRE(fingerprint(*pool_, false) == full_before, "a failed allocate_at that released nothing changed the pool");
+      if (sim_->faults_injected() == faults_before) {
+        const std::size_t need = dev_->missing_pages(address, rounded) * page_;
+        REQUIRE(need > 0 && reserved + need > limit(),
+                "spurious allocate_at OOM: needs " << need << " more bytes, reserved " << reserved << ", limit "
+                                                   << limit());
+      }
+      return;
+    } catch (const UpstreamError& e) {
+      REQUIRE(fail_unmap_, "UpstreamError without an injected unmap failure: " << e.what());
+      ++upstream_errors_;
+      REQUIRE(live_fingerprint(*pool_) == live_before, "allocate_at failing in the driver changed a live block");
+      return;
+    }
+    REQUIRE(free, "allocate_at succeeded on a range the model says is not free");
+    REQUIRE(a == address, "allocate_at returned another address");
+    for (auto p = pending_.begin(); p != pending_.end();) {
+      if (overlaps(a, rounded, p->address, p->size)) p = pending_.erase(p);  // recycled, events done
+      else ++p;
+    }
+    REQUIRE(dev_->backed(a, rounded), "allocate_at block not backed by device memory");
+    REQUIRE(pool_->allocation_size(a) == rounded, "allocation_size disagrees");
+    BlockInfo info{};
+    REQUIRE(pool_->live_block(a, &info) && info.size == rounded && info.requested == bytes,
+            "live_block disagrees");
+    const std::size_t reserved = pool_->stats().reserved_bytes[kAggregate].current;
+    if (reserved > std::size_t(before.reserved_bytes[kAggregate].current))
+      REQUIRE(reserved <= limit(), "reserved " << reserved << " grew past the cap/limit/device " << limit());
+    StreamId stream = 0;
+    for (const RegionInfo& r : pool_->snapshot())
+      if (a >= r.address && a < r.address + r.size) stream = r.stream;
+    live_[a] = rounded;
+    live_info_[a] = Live{bytes, rounded, stream, {}};
+    ++allocations_;
+  }
+
+  void do_set_limit() {
+    std::uint8_t c = in_.u8();
+    const std::size_t reserved = pool_->stats().reserved_bytes[kAggregate].current;
+    std::size_t limit = c % 4 == 0   ? 0
+                        : c % 4 == 1 ? Pool::kNoLimit
+                        : c % 4 == 2 ? reserved / 32 * (c >> 2) / 2  // around what is reserved
+                                     : capacity_ * (c >> 2) / 64;
+    describe("set_limit(%zu)", limit);
+    try {
+      pool_->set_limit(limit);
+    } catch (const UpstreamError&) {
+      REQUIRE(fail_unmap_, "set_limit threw UpstreamError without an injected failure");
+      ++upstream_errors_;
+    }
+    limit_ = limit;
+    REQUIRE(pool_->limit() == limit, "limit not set");
+    REQUIRE(pool_->cap() == cap_, "set_limit changed the cap");
+    REQUIRE(pool_->effective_cap() == std::min(cap_ ? cap_ : capacity_, limit), "effective cap wrong");
+    REQUIRE(std::size_t(pool_->stats().reserved_bytes[kAggregate].current) <= reserved, "set_limit reserved more");
   }
 
   void do_process_events() {
@@ -776,6 +975,8 @@ class Harness {
   std::map<std::uintptr_t, Live> live_info_;
   std::vector<PendingModel> pending_;
   std::vector<std::uintptr_t> freed_;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> freed_sizes_;  // (address, requested), last 16 frees
+  std::size_t limit_ = Pool::kNoLimit;
   std::size_t oom_frees_ = 0;
   bool fail_unmap_ = false;
 };

@@ -92,8 +92,13 @@ def test_randomized_allocate_at_free_and_limits_keep_every_invariant(kind, relea
             regions = pool.snapshot()
             if regions:
                 r = rng.choice(regions)
-                address = r["address"] + rng.randrange(0, max(1, r["total_size"] // 512)) * 512
-                size = rng.randint(1, min(8 * MiB, r["address"] + r["total_size"] - address))
+                free = [b for b in r["blocks"] if b["state"] == "inactive"]
+                lo, n = (r["address"], r["total_size"])
+                if free and rng.random() < 0.5:  # inside a free block: mostly succeeds
+                    b = rng.choice(free)
+                    lo, n = b["address"], b["size"]
+                address = lo + rng.randrange(0, max(1, n // 512)) * 512
+                size = rng.randint(1, min(8 * MiB, lo + n - address))
                 # Free exactly when the range lies inside one inactive block of the snapshot.
                 expect_free = any(b["state"] == "inactive" and b["address"] <= address and
                                   address + _round(size) <= b["address"] + b["size"] for b in r["blocks"])

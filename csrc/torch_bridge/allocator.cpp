@@ -82,7 +82,7 @@ const Config& GpumemAllocator::config() {
 bool GpumemAllocator::is_current() const { return CCA::get() == this; }
 
 int GpumemAllocator::check_device(int device) const {
-  TORCH_CHECK_INDEX(device >= 0 && device < kMaxDevices, "gpumem: invalid CUDA device ", device);
+  TORCH_CHECK_INDEX(device >= 0 && device < kMaxDevices, cat("gpumem: invalid CUDA device ", device));
   return device;
 }
 
@@ -160,7 +160,7 @@ Pool& GpumemAllocator::create_main_pool(int device) {
           cb();
         } catch (const std::exception& e) {
           // The allocation still gets its retry and, failing that, its OutOfMemoryError.
-          TORCH_WARN("gpumem: the out-of-memory callback on device ", device, " failed: ", e.what());
+          TORCH_WARN(cat("gpumem: the out-of-memory callback on device ", device, " failed: ", e.what()));
         }
       });
     }
@@ -231,7 +231,8 @@ void* GpumemAllocator::malloc_on(std::size_t size, int device, cudaStream_t stre
   if (routing) {
     if (std::shared_ptr<PrivatePool> pp = route(device, stream)) {
       void* p = alloc_private(*pp, size, stream);
-      if (C10_UNLIKELY(tracing)) trace_alloc(device, reinterpret_cast<std::uintptr_t>(p), size, stream, pp->id, context);
+      if (C10_UNLIKELY(tracing))
+        trace_alloc(device, reinterpret_cast<std::uintptr_t>(p), size, stream, pp->id, context);
       if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
         report_to_profiler(device, reinterpret_cast<std::uintptr_t>(p), static_cast<std::int64_t>(size));
       return p;
@@ -272,13 +273,13 @@ void GpumemAllocator::free_any(void* ptr) noexcept {
       return;
     if (free_now(ptr)) return;
     if (!warned_foreign_.exchange(true)) {
-      TORCH_WARN("gpumem: ignored the free of ", hex(ptr),
+      TORCH_WARN(cat("gpumem: ignored the free of ", hex(ptr),
                  ", which gpumem did not allocate (memory from before gpumem was registered, or a "
-                 "double free); nothing was changed. Further such frees are ignored silently.");
+                 "double free); nothing was changed. Further such frees are ignored silently."));
     }
   } catch (const std::exception& e) {
     // A deleter cannot throw (it runs in destructors): the failure is reported, nothing is freed.
-    TORCH_WARN("gpumem: the free of ", hex(ptr), " failed: ", e.what());
+    TORCH_WARN(cat("gpumem: the free of ", hex(ptr), " failed: ", e.what()));
   }
 }
 
@@ -351,8 +352,8 @@ void GpumemAllocator::flush_deferred() {
 void GpumemAllocator::raw_delete(void* ptr) {
   if (!ptr) return;
   if (C10_UNLIKELY(recorded_count_.load(std::memory_order_acquire) > 0) && defer_if_recorded(ptr)) return;
-  TORCH_CHECK(free_now(ptr), "invalid device pointer: ", ptr, " (gpumem: not a live block of its pools; "
-              "nothing was freed)");
+  TORCH_CHECK(free_now(ptr), cat("invalid device pointer: ", ptr, " (gpumem: not a live block of its pools; "
+              "nothing was freed)"));
 }
 
 // ---- init, fraction, cache -----------------------------------------------------------------------
@@ -378,16 +379,17 @@ double GpumemAllocator::getMemoryFraction(c10::DeviceIndex device) {
 // it may be below what live tensors hold (they stay; new memory is refused), and 0 refuses every
 // allocation. 1.0 removes the limit. gpumem's own cap (GPUMEM_CONF cap, gpumem.set_cap) still applies.
 void GpumemAllocator::setMemoryFraction(double fraction, c10::DeviceIndex device) {
-  TORCH_CHECK(0 <= fraction && fraction <= 1, "invalid fraction:", fraction,  // NaN fails too
-              ". Please set within [0, 1].");
+  // (NaN fails the test too, as with PyTorch's allocator.)
+  TORCH_CHECK(0 <= fraction && fraction <= 1, cat("invalid fraction:", fraction,
+              ". Please set within [0, 1]."));
   check_device(device);
   Pool& pool = main_pool(device);
   translate([&] {
     DeviceSwitch on(device);
     const std::size_t total = pool.upstream().device_total_bytes();
     // Rounded, not truncated: a fraction computed as bytes / total gives those bytes back.
-    pool.set_limit(fraction >= 1.0 ? Pool::kNoLimit
-                                   : static_cast<std::size_t>(std::llround(fraction * static_cast<double>(total))));
+    const auto bytes = static_cast<std::size_t>(std::llround(fraction * static_cast<double>(total)));
+    pool.set_limit(fraction >= 1.0 ? Pool::kNoLimit : bytes);
   });
   devices_[device].fraction.store(fraction);
 }
@@ -492,7 +494,7 @@ void GpumemAllocator::recordStream(const c10::DataPtr& data_ptr, c10::cuda::CUDA
   recorded_count_.store(static_cast<int>(recorded_.size()), std::memory_order_release);
 }
 
-// ---- peers, name (IPC: ipc.cpp) ----------------------------------------------------------------------------
+// ---- peers, name (IPC: ipc.cpp) ------------------------------------------------------------------
 
 void GpumemAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
   c10::cuda::CUDAGuard guard(dev);

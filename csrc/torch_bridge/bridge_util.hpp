@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <c10/cuda/CUDAFunctions.h>
@@ -83,6 +84,31 @@ inline std::string hex(const void* p) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, reinterpret_cast<std::uintptr_t>(p));
   return buf;
+}
+
+// Messages are built without iostreams. TORCH_CHECK / TORCH_WARN with several arguments format them
+// through a std::ostringstream inlined into the bridge, from the headers of the compiler that built
+// it; against the libstdc++ the torch process had loaded, that crashed the process (SIGSEGV in
+// set_per_process_memory_fraction(nan), a foreign raw_delete, CUDA IPC: H100, torch 2.11, measured).
+// So every message is one ready std::string: TORCH_CHECK(cond, cat(...)) passes it through untouched.
+inline std::string piece(const std::string& s) { return s; }
+inline std::string piece(const char* s) { return s ? s : "(null)"; }
+inline std::string piece(const void* p) { return hex(p); }
+inline std::string piece(void* p) { return hex(p); }
+inline std::string piece(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+std::string piece(T v) {
+  return std::to_string(v);
+}
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::string out;
+  (out += ... += piece(args));
+  return out;
 }
 
 }  // namespace gpumem::torch_bridge

@@ -52,7 +52,7 @@ Action parse_action(const std::string& name) {
   };
   for (const auto& [key, action] : table)
     if (name == key) return action;
-  TORCH_CHECK(false, "Unknown TraceEntry action: ", name, " (gpumem: in skip_actions)");
+  TORCH_CHECK(false, cat("Unknown TraceEntry action: ", name, " (gpumem: in skip_actions)"));
 }
 
 }  // namespace

@@ -6,7 +6,8 @@
 // with torch's offset from the first page to the tensor's storage. Both processes must use gpumem
 // (import it first in the child too); a handle of the other kind is refused with an error that says
 // so, never a hang or a crash. Only the upstream "vmm" (the default where supported) can share.
-#include <sstream>
+#include <cerrno>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -35,19 +36,20 @@ CCA::ShareableHandle GpumemAllocator::shareIpcHandle(void* ptr) {
     auto it = private_ptrs_.find(p);
     if (it != private_ptrs_.end() && it->second) owner = it->second->pool.get(), device = it->second->device;
   }
-  TORCH_CHECK(owner, "gpumem: cannot share ", hex(ptr), " with another process: it is not a live "
-              "block of gpumem's pools");
+  TORCH_CHECK(owner, cat("gpumem: cannot share ", hex(ptr), " with another process: it is not a live "
+              "block of gpumem's pools"));
   TORCH_CHECK(owner->upstream().kind() == UpstreamKind::kPages,
-              "gpumem can share CUDA tensors with other processes only from CUDA virtual memory; "
-              "this pool uses '", owner->upstream().name(), "' (GPUMEM_CONF upstream:segments?). Use "
-              "upstream:vmm, or GPUMEM_DISABLE=1 in both processes");
+              cat("gpumem can share CUDA tensors with other processes only from CUDA virtual "
+                  "memory; this pool uses '", owner->upstream().name(),
+                  "' (GPUMEM_CONF upstream:segments?). Use upstream:vmm, or GPUMEM_DISABLE=1 in "
+                  "both processes"));
   Pool::ExportedBlock exported = translate([&] { return owner->export_block(p); });
-  std::ostringstream handle;
-  handle << kPrefix << ::getpid() << ':' << device << ':' << exported.page << ':';
-  for (std::size_t i = 0; i < exported.fds.size(); ++i) handle << (i ? "," : "") << exported.fds[i];
+  std::string handle =
+      cat(kPrefix, static_cast<long>(::getpid()), ":", device, ":", exported.page, ":");
+  for (std::size_t i = 0; i < exported.fds.size(); ++i) handle += cat(i ? "," : "", exported.fds[i]);
   CCA::ShareableHandle out;
   out.offset = static_cast<std::ptrdiff_t>(p - exported.first_page);
-  out.handle = handle.str();
+  out.handle = handle;
   return out;
 }
 
@@ -56,18 +58,23 @@ std::shared_ptr<void> GpumemAllocator::getIpcDevPtr(std::string handle) {
               "gpumem: this CUDA tensor was shared by a process that does not use gpumem (PyTorch's "
               "own allocator made its IPC handle). Import gpumem first in both processes, or set "
               "GPUMEM_DISABLE=1 in both");
-  std::istringstream in(handle.substr(std::string(kPrefix).size()));
-  long pid = 0, device = 0;
-  unsigned long long page = 0;
-  char sep1 = 0, sep2 = 0, sep3 = 0;
-  std::string fd_list;
-  in >> pid >> sep1 >> device >> sep2 >> page >> sep3 >> fd_list;
+  // <pid>:<device>:<page>:<fd>,<fd>,... read with strtoull (no iostreams in the bridge: bridge_util.hpp)
+  const char* text = handle.c_str() + std::string(kPrefix).size();
+  char* end = nullptr;
+  auto number = [&](char expect_after) -> long long {
+    errno = 0;
+    const unsigned long long v = std::strtoull(text, &end, 10);
+    const bool ok = end != text && errno == 0 && v <= (1ULL << 62) &&
+                    (*end == expect_after || (expect_after == ',' && *end == '\0'));
+    TORCH_CHECK(ok, cat("gpumem: malformed CUDA IPC handle '", handle, "'"));
+    text = *end ? end + 1 : end;
+    return static_cast<long long>(v);
+  };
+  const long long pid = number(':'), device = number(':'), page = number(':');
   std::vector<int> fds;
-  std::istringstream fds_in(fd_list);
-  for (std::string item; std::getline(fds_in, item, ',');) fds.push_back(std::stoi(item));
-  TORCH_CHECK(sep1 == ':' && sep2 == ':' && sep3 == ':' && pid > 0 && page > 0 && !fds.empty() &&
-                  device >= 0 && device < kMaxDevices,
-              "gpumem: malformed CUDA IPC handle '", handle, "'");
+  while (*text) fds.push_back(static_cast<int>(number(',')));
+  TORCH_CHECK(pid > 0 && page > 0 && !fds.empty() && device < kMaxDevices,
+              cat("gpumem: malformed CUDA IPC handle '", handle, "'"));
   return translate([&] {
     return cuda_import_pages(static_cast<int>(device), static_cast<int>(pid), fds,
                              static_cast<std::size_t>(page));

@@ -96,8 +96,10 @@ bool GpumemAllocator::try_free_private(void* ptr) {
 std::uintptr_t GpumemAllocator::borrow_from_oom_pools(int device, std::size_t size, cudaStream_t stream) {
   for (auto& pp : private_pools_of(device)) {
     {
+      // Only a live MemPool lends: one whose Python object is gone (use count 0) keeps its blocks
+      // until they die, and then its memory goes back to the device.
       std::lock_guard<std::mutex> lock(routes_mutex_);
-      if (!pp->use_on_oom) continue;
+      if (!pp->use_on_oom || pp->use_count <= 0) continue;
     }
     std::uintptr_t p = 0;
     {
@@ -125,7 +127,8 @@ void GpumemAllocator::free_private_block(const std::shared_ptr<PrivatePool>& pp,
       if (C10_UNLIKELY(tracing)) context = gather_context(CCA::RecordContext::ALL);
       pp->pool->free(p);
       if (C10_UNLIKELY(tracing && size)) trace_free(pp->device, p, size, pp->id, std::move(context));
-      if (C10_UNLIKELY(profiling && size)) report_to_profiler(pp->device, p, -static_cast<std::int64_t>(size));
+      if (C10_UNLIKELY(profiling && size))
+        report_to_profiler(pp->device, p, -static_cast<std::int64_t>(size));
     }
   }
   maybe_destroy(pp);
@@ -161,8 +164,8 @@ void GpumemAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::cuda::Me
   std::lock_guard<std::mutex> lock(routes_mutex_);
   for (const Route& r : routes_)
     TORCH_CHECK(!(r.device == device && r.id == mempool_id),
-                "gpumem: beginAllocateToPool: already allocating to pool (", mempool_id.first, ", ",
-                mempool_id.second, ") on device ", static_cast<int>(device));
+                cat("gpumem: beginAllocateToPool: already allocating to pool (", mempool_id.first, ", ",
+                mempool_id.second, ") on device ", static_cast<int>(device)));
   std::shared_ptr<PrivatePool> pp = create_or_incref(device, mempool_id);
   routes_.push_back(Route{device, mempool_id, std::move(filter), std::move(pp)});
   routing_count_.store(static_cast<int>(routes_.size()), std::memory_order_release);
@@ -174,8 +177,8 @@ void GpumemAllocator::endAllocateToPool(c10::DeviceIndex device, c10::cuda::Memp
     auto it = std::find_if(routes_.begin(), routes_.end(), [&](const Route& r) {
       return r.device == device && r.id == mempool_id;
     });
-    TORCH_CHECK(it != routes_.end(), "gpumem: endAllocateToPool: not allocating to pool (",
-                mempool_id.first, ", ", mempool_id.second, ") on device ", static_cast<int>(device));
+    TORCH_CHECK(it != routes_.end(), cat("gpumem: endAllocateToPool: not allocating to pool (",
+                mempool_id.first, ", ", mempool_id.second, ") on device ", static_cast<int>(device)));
     routes_.erase(it);
     routing_count_.store(static_cast<int>(routes_.size()), std::memory_order_release);
   }
@@ -226,8 +229,8 @@ bool GpumemAllocator::checkPoolLiveAllocations(
     c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
     const std::unordered_set<void*>& expected_live_allocations) {
   std::shared_ptr<PrivatePool> pp = find_private(device, mempool_id);
-  TORCH_CHECK(pp, "gpumem: no memory pool (", mempool_id.first, ", ", mempool_id.second,
-              ") on device ", static_cast<int>(device));
+  TORCH_CHECK(pp, cat("gpumem: no memory pool (", mempool_id.first, ", ", mempool_id.second,
+              ") on device ", static_cast<int>(device)));
   std::size_t live = 0;
   std::lock_guard<std::mutex> lock(routes_mutex_);
   for (auto& [p, owner] : private_ptrs_) {
@@ -244,8 +247,8 @@ std::shared_ptr<CCA::AllocatorState> GpumemAllocator::getCheckpointState(
   state->device = device;
   state->id = id;
   std::shared_ptr<PrivatePool> pp = find_private(device, id);
-  TORCH_CHECK(pp, "gpumem: no memory pool (", id.first, ", ", id.second, ") on device ",
-              static_cast<int>(device), " to checkpoint");
+  TORCH_CHECK(pp, cat("gpumem: no memory pool (", id.first, ", ", id.second, ") on device ",
+              static_cast<int>(device), " to checkpoint"));
   for (std::uintptr_t p : live_pointers_of(pp)) {
     BlockInfo info{};
     if (pp->pool && pp->pool->live_block(p, &info))
@@ -262,18 +265,20 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
     c10::DeviceIndex device, std::shared_ptr<CCA::AllocatorState> pps) {
   auto state = std::dynamic_pointer_cast<GpumemCheckpointState>(pps);
   TORCH_CHECK(state, "gpumem: setCheckpointPoolState got a state gpumem did not make");
-  TORCH_CHECK(state->device == device, "gpumem: setCheckpointPoolState: the checkpoint is of device ",
-              state->device, ", not ", static_cast<int>(device));
+  TORCH_CHECK(state->device == device, cat("gpumem: setCheckpointPoolState: the checkpoint is of device ",
+              state->device, ", not ", static_cast<int>(device)));
   std::shared_ptr<PrivatePool> pp = find_private(state->device, state->id);
-  TORCH_CHECK(pp || state->live.empty(), "gpumem: cannot restore a checkpoint of pool (",
-              state->id.first, ", ", state->id.second, "): the pool no longer exists");
+  TORCH_CHECK(pp || state->live.empty(), cat("gpumem: cannot restore a checkpoint of pool (",
+              state->id.first, ", ", state->id.second, "): the pool no longer exists"));
   CCA::CheckpointDelta delta;
   if (!pp) return delta;
 
   const std::vector<std::uintptr_t> current = live_pointers_of(pp);
   auto in_checkpoint = [&](std::uintptr_t p, std::size_t size) {
     auto it = std::lower_bound(state->live.begin(), state->live.end(), p,
-                               [](const GpumemCheckpointState::Live& l, std::uintptr_t a) { return l.address < a; });
+                               [](const GpumemCheckpointState::Live& l, std::uintptr_t a) {
+                                 return l.address < a;
+                               });
     return it != state->live.end() && it->address == p && it->size == size;
   };
   DeviceSwitch on(pp->device);
@@ -306,9 +311,9 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
       try {
         pool->allocate_at(block.address, block.requested);
       } catch (const std::exception& e) {
-        TORCH_CHECK(false, "gpumem: cannot restore the checkpoint of pool (", state->id.first, ", ",
+        TORCH_CHECK(false, cat("gpumem: cannot restore the checkpoint of pool (", state->id.first, ", ",
                     state->id.second, "): the block at ", hex(reinterpret_cast<void*>(block.address)),
-                    " (", block.size, " bytes) cannot be allocated again: ", e.what());
+                    " (", block.size, " bytes) cannot be allocated again: ", e.what()));
       }
       {
         std::lock_guard<std::mutex> lock(routes_mutex_);

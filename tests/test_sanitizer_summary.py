@@ -1,4 +1,4 @@
-"""bench/sanitizer_summary.py, the judge of the GPU suite's compute-sanitizer run, on logs shaped like
+"""tools/sanitizer_summary.py, the judge of the GPU suite's compute-sanitizer run, on logs shaped like
 the tool's (lines taken from real memcheck logs of the GPU machine). No GPU needed."""
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "sanitizer_summary.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "sanitizer_summary.py"
 P = "========= "
 OOM_API = (P + 'Program hit CUDA_ERROR_OUT_OF_MEMORY (error 2) due to "out of memory" on CUDA API call to cuMemCreate.\n'
            + P + "    Saved host backtrace up to driver entry point at error\n")

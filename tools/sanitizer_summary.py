@@ -1,6 +1,6 @@
-"""Summarise compute-sanitizer memcheck logs and judge the run (bench/compute_sanitizer.sh calls it).
+"""Summarise compute-sanitizer memcheck logs and judge the run (tools/compute_sanitizer.sh calls it).
 
-    python bench/sanitizer_summary.py LOG_DIR PYTEST_EXIT SECONDS
+    python tools/sanitizer_summary.py LOG_DIR PYTEST_EXIT SECONDS
 
 Reads every LOG_DIR/memcheck.*.log and prints one line per kind of finding, then the summary line.
 Exit status 0 only when pytest passed and the logs hold no memory-access error, no CUDA API error other

@@ -2,14 +2,14 @@
 # The GPU machine's checks in phases, so a session with little device time runs them in few calls.
 # Every phase writes its logs to $OUT (default /tmp/gpumem-out) and prints a short summary.
 #
-#   bash bench/gpu_session.sh build            # install carried wheels (.whl), build gpumem
-#   bash bench/gpu_session.sh suite [ARGS]     # the GPU test suite, or pytest ARGS (2-GPU tests need 2 GPUs)
-#   bash bench/gpu_session.sh sanitizer [TESTS] # the suite (or TESTS) under compute-sanitizer memcheck, alone
-#   bash bench/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
-#   bash bench/gpu_session.sh batch [ALLOC]    # batch_size_bench (gpt, cnn) with ALLOC's allocator
-#   bash bench/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
-#   bash bench/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
-#   bash bench/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
+#   bash tools/gpu_session.sh build            # install carried wheels (.whl), build gpumem
+#   bash tools/gpu_session.sh suite [ARGS]     # the GPU test suite, or pytest ARGS (2-GPU tests need 2 GPUs)
+#   bash tools/gpu_session.sh sanitizer [TESTS] # the suite (or TESTS) under compute-sanitizer memcheck, alone
+#   bash tools/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
+#   bash tools/gpu_session.sh batch [ALLOC]    # batch_size_bench (gpt, cnn) with ALLOC's allocator
+#   bash tools/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
+#   bash tools/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
+#   bash tools/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
 #
 # The soak outlasts one call (10 minutes of steps plus start-up), so soak-start detaches it (setsid)
 # and soak-collect, in a call made while the machine is still warm, picks it up. The workloads file
@@ -41,7 +41,7 @@ case "${1:-}" in
     ;;
   sanitizer)
     shift
-    LOG_DIR="$OUT/cs" bash bench/compute_sanitizer.sh -m gpu -q -rfE -p no:cacheprovider "${@:-tests/gpu}" \
+    LOG_DIR="$OUT/cs" bash tools/compute_sanitizer.sh -m gpu -q -rfE -p no:cacheprovider "${@:-tests/gpu}" \
       > "$OUT/cs.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed|memcheck:|\[(api|memory|other|untracked)\]" "$OUT/cs.log" | tail -20

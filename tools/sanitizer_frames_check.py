@@ -3,12 +3,12 @@
 A forward pass with no autograd graph leaves nothing behind once it returns: its frames and the
 activations they held are freed. Under compute-sanitizer with host backtraces on (its default,
 --show-backtrace yes) they stay alive, held from outside Python (no Python object refers to them),
-with PyTorch's own allocator as with gpumem's. bench/compute_sanitizer.sh therefore runs with
+with PyTorch's own allocator as with gpumem's. tools/compute_sanitizer.sh therefore runs with
 --show-backtrace device. This script shows it:
 
-    python bench/sanitizer_frames_check.py native|gpumem                 # 0 frames, 0 tensors
-    compute-sanitizer --tool memcheck python bench/sanitizer_frames_check.py native
-    compute-sanitizer --tool memcheck --show-backtrace device python bench/sanitizer_frames_check.py native
+    python tools/sanitizer_frames_check.py native|gpumem                 # 0 frames, 0 tensors
+    compute-sanitizer --tool memcheck python tools/sanitizer_frames_check.py native
+    compute-sanitizer --tool memcheck --show-backtrace device python tools/sanitizer_frames_check.py native
 
 Prints the frames and activation tensors still alive; exits 1 when any are.
 """

@@ -3,8 +3,8 @@
 # device accesses, accesses to freed or unmapped memory, device-side hardware exceptions, CUDA API
 # errors) and prints one summary line over every process the suite started.
 #
-#   bash bench/compute_sanitizer.sh                    # python -m pytest -m gpu tests/gpu -x -q
-#   bash bench/compute_sanitizer.sh -m gpu tests/gpu/test_torch_bridge_gpu.py -q   # other pytest args
+#   bash tools/compute_sanitizer.sh                    # python -m pytest -m gpu tests/gpu -x -q
+#   bash tools/compute_sanitizer.sh -m gpu tests/gpu/test_torch_bridge_gpu.py -q   # other pytest args
 #
 # Environment:
 #   COMPUTE_SANITIZER        path of the compute-sanitizer binary (default: PATH, then CUDA installs)
@@ -14,7 +14,7 @@
 #   LOG_DIR                  where the per-process logs go (default: $OUT/compute-sanitizer if $OUT is
 #                            set, else build/compute-sanitizer)
 # Exit status: 0 only when pytest passed and memcheck reported no memory-access error, no CUDA API
-# error other than "out of memory" and no launch it could not track (bench/sanitizer_summary.py).
+# error other than "out of memory" and no launch it could not track (tools/sanitizer_summary.py).
 #
 # Flags, and why:
 #   --target-processes all   pytest, torch's compile workers and torchrun children are all checked
@@ -25,7 +25,7 @@
 #   --show-backtrace device  no host backtraces: with them, compute-sanitizer 2025.3 keeps alive the
 #                            Python frames of every call that reached CUDA, and so every tensor those
 #                            frames held (shown with PyTorch's own allocator, without gpumem:
-#                            bench/sanitizer_frames_check.py). Tests that free memory by dropping frames
+#                            tools/sanitizer_frames_check.py). Tests that free memory by dropping frames
 #                            (cleanup, the batch-size finder, the notebooks) then fail for the tool's
 #                            reason. An error is still reported, with its device backtrace; rerun the test
 #                            with COMPUTE_SANITIZER_FLAGS="--show-backtrace yes" for the host side.
@@ -76,4 +76,4 @@ start=$(date +%s)
 rc=$?
 elapsed=$(( $(date +%s) - start ))
 
-python bench/sanitizer_summary.py "$LOG_DIR" "$rc" "$elapsed"
+python tools/sanitizer_summary.py "$LOG_DIR" "$rc" "$elapsed"

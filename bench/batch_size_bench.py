@@ -7,7 +7,7 @@
 Setups (each finder sees the same process setup; ``--fraction`` of the GPU via
 ``torch.cuda.set_per_process_memory_fraction``, default 0.25):
 
-  gpt  the 12-layer d=1024 transformer of shared/bench/workloads.py (217M parameters),
+  gpt  the 12-layer d=1024 transformer of bench/models.py (217M parameters; the varlen workload's),
        sequence 1024, AdamW, bf16 autocast, cross-entropy over the 32000-way logits.
   cnn  a ResNet-18-shaped CNN (BatchNorm, 11M parameters), 3x128x128 images, 1000
        classes, AdamW, bf16 autocast: a different model, to show the probe is not tuned.

@@ -1,7 +1,10 @@
-"""gpumem against PyTorch's allocators on the live workloads of shared/bench/workloads.py, one
-process per (workload, allocator), several rounds interleaved so drift hits every allocator alike.
+"""gpumem against PyTorch's allocators on the live workloads of bench/workloads.py, one process per
+(workload, allocator), several rounds interleaved so drift hits every allocator alike.
 
-    python bench/compare_allocators.py --workloads ../shared/bench/workloads.py [--rounds 2]
+    python bench/compare_allocators.py [--rounds 2] [--only varlen resnet] [--workloads PATH]
+
+--workloads runs another workloads file of the same command line (WORKLOAD ALLOCATOR, one JSON line
+out), e.g. ../shared/bench/workloads.py, the one the README's earlier figures were measured with.
 
 Prints a table (median over rounds) with gpumem's ratio to the best PyTorch allocator, then one JSON
 line. A second check runs the varlen workload with gpumem in-process and compares gpumem's reserved
@@ -16,14 +19,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-ALLOCATORS = ["native", "expandable", "async", "gpumem"]
-FIGURES = {"allocfree": ["us_per_alloc"], "varlen": ["step_ms", "frag_ratio"], "resnet": ["step_ms", "frag_ratio"]}
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from workloads import ALLOCATORS, WORKLOADS  # noqa: E402  bench/workloads.py (imports no torch)
+
+FIGURES = {name: w.figures for name, w in WORKLOADS.items()}
 
 AGREEMENT = r"""
 import json, sys
 import gpumem
-sys.path.insert(0, {folder!r})
-import torch, workloads
+sys.path.insert(0, {bench!r})
+import workloads
+workloads = workloads.load({script!r})
+import torch
 torch.empty(1, device="cuda")
 torch.cuda.synchronize()
 free0, total = torch.cuda.mem_get_info()
@@ -51,9 +59,10 @@ def run(cmd, timeout=600):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", required=True, help="path to shared/bench/workloads.py")
+    ap.add_argument("--workloads", default=str(HERE / "workloads.py"),
+                    help="the workloads file to run (default: bench/workloads.py)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=list(FIGURES), help="workloads to run")
+    ap.add_argument("--only", nargs="*", default=list(FIGURES), choices=list(FIGURES), help="workloads to run")
     args = ap.parse_args()
     script = str(Path(args.workloads).resolve())
     results: dict = {}
@@ -78,7 +87,7 @@ def main() -> int:
             cells = " ".join(f"{v:11.3f}" if v is not None else f"{'error':>11s}" for v in med.values())
             print(f"{w:9s} {fig:13s} {cells}  {ratio:.3f}" if ratio else f"{w:9s} {fig:13s} {cells}  n/a")
     errors = {f"{w}/{a}": r["error"] for (w, a), rows in results.items() for r in rows if "error" in r}
-    agreement = run([sys.executable, "-c", AGREEMENT.format(folder=str(Path(script).parent))])
+    agreement = run([sys.executable, "-c", AGREEMENT.format(bench=str(HERE), script=script)])
     print("\ngpumem reserved vs the device's own view (varlen, 20 steps):")
     for row in agreement.get("agreement", []):
         diff = row["device_used_minus_baseline"] - row["gpumem_reserved"]

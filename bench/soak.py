@@ -1,5 +1,5 @@
-"""Soak: the variable-length transformer workload of ../shared/bench/workloads.py (its GPT model and
-its varlen step) for a fixed wall-clock time, sampling reserved memory after every step, so creep and
+"""Soak: the variable-length transformer workload of bench/workloads.py (its GPT model, its shapes and
+its training step) for a fixed wall-clock time, sampling reserved memory after every step, so creep and
 divergence show up.
 
     python bench/soak.py --allocator gpumem --minutes 10 --out soak_gpumem.json
@@ -18,7 +18,8 @@ bitwise comparison the run is made deterministic: fixed seeds, CUBLAS_WORKSPACE_
 torch.use_deterministic_algorithms (warn_only: ops without a deterministic kernel are listed in the
 JSON as the reason when losses differ), and attention through the math kernel (--sdpa math; the
 flash / memory-efficient backward kernels accumulate with atomics). Compare two native runs to
-check that the workload itself is deterministic on the machine.
+check that the workload itself is deterministic on the machine. --workloads PATH takes the GPT model
+from another workloads file (or a folder holding workloads.py).
 """
 from __future__ import annotations
 
@@ -31,14 +32,17 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHARED_BENCH = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench"))
+sys.path.insert(0, HERE)
+import workloads  # noqa: E402  bench/workloads.py (imports no torch)
+
 MiB = 1 << 20
+VOCAB = 32000  # GPT's default vocabulary: the token ids of every step
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--allocator", choices=["gpumem", "native", "expandable", "async"], default="gpumem")
+    p.add_argument("--allocator", choices=workloads.ALLOCATORS, default="gpumem")
     p.add_argument("--minutes", type=float, default=10.0, help="wall-clock length of the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (per rank), as in workloads.varlen")
@@ -51,7 +55,8 @@ def parse_args(argv=None):
                    help="attention kernel: math (deterministic) or torch's choice (flash)")
     p.add_argument("--deterministic", choices=["warn", "on", "off"], default="warn")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel over NCCL (under torchrun)")
-    p.add_argument("--workloads", default=SHARED_BENCH, help="folder holding workloads.py")
+    p.add_argument("--workloads", default=None,
+                   help="the workloads file (or its folder) whose GPT to train (default: bench/workloads.py)")
     p.add_argument("--out", default=None, help="JSON file (default soak_<allocator>.json)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare the losses of two soak JSON files")
     return p.parse_args(argv)
@@ -82,15 +87,6 @@ def compare(a_path, b_path):
 
 # ---- the run -----------------------------------------------------------------------------------------
 
-def select_allocator(name):
-    """As workloads.select_allocator: before torch starts CUDA."""
-    conf = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
-    if name in conf:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf[name]
-    else:
-        import gpumem  # noqa: F401  registers itself as torch's CUDA allocator
-
-
 def window_peak(samples, t0, t1):
     vals = [r for t, r in samples if t0 <= t < t1]
     return max(vals) if vals else None
@@ -101,11 +97,10 @@ def run(args):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    select_allocator(args.allocator)
-    sys.path.insert(0, args.workloads)
+    workloads.select_allocator(args.allocator)  # before torch starts CUDA
     import torch
-    import torch.nn as nn
-    from workloads import GPT  # noqa: E402  (after the allocator is chosen)
+
+    GPT = workloads.load(args.workloads).GPT  # after the allocator is chosen: another file may import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("soak.py needs a CUDA GPU")
@@ -143,17 +138,10 @@ def run(args):
         warnings.simplefilter("always")
         while True:
             t_step = time.perf_counter()
-            L = rng.choice([128, 256, 384, 512, 768, 1024, 1536, 2048])
-            B = max(1, args.tokens // L + rng.randint(-2, 2))
-            ids = torch.randint(0, 32000, (B, L), device="cuda", generator=data)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(ids)
-                loss = nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids.view(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            value = loss.detach().float().item()  # synchronises: the step is done
-            del logits, loss, ids
+            B, L = workloads.varlen_shape(rng, args.tokens)
+            ids = torch.randint(0, VOCAB, (B, L), device="cuda", generator=data)
+            value = workloads.lm_step(model, opt, ids).float().item()  # synchronises: the step is done
+            del ids
             now = time.perf_counter() - t_start
             free, total = torch.cuda.mem_get_info()
             losses.append(value)

@@ -12,14 +12,16 @@
 #   bash tools/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
 #
 # The soak outlasts one call (10 minutes of steps plus start-up), so soak-start detaches it (setsid)
-# and soak-collect, in a call made while the machine is still warm, picks it up. The workloads file
-# is read from .carry/workloads.py (copy ../shared/bench/workloads.py there and carry .carry).
+# and soak-collect, in a call made while the machine is still warm, picks it up. compare, ddp and the
+# soak run the workloads of bench/workloads.py; WORKLOADS=PATH runs another workloads file instead.
 # Phases that measure speed must not share a GPU with another phase.
 set -uo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$SELF")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpumem-out}
 SOAK=/tmp/gpumem-soak
-WORKLOADS=.carry
+WL=${WORKLOADS:+--workloads $WORKLOADS}
 mkdir -p "$OUT"
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
 gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
@@ -50,8 +52,8 @@ case "${1:-}" in
   compare)
     n=$(gpus)
     for ((g = 0; g < n; g++)); do
-      CUDA_VISIBLE_DEVICES=$g python3 bench/compare_allocators.py --workloads $WORKLOADS/workloads.py \
-        --rounds "${ROUNDS:-2}" > "$OUT/compare$g.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=$g python3 bench/compare_allocators.py $WL --rounds "${ROUNDS:-2}" \
+        > "$OUT/compare$g.log" 2>&1 &
     done
     wait
     for ((g = 0; g < n; g++)); do echo "GPU $g"; grep -vE "^(round|\{)" "$OUT/compare$g.log"; done
@@ -64,7 +66,7 @@ case "${1:-}" in
     ;;
   ddp)
     torchrun --standalone --nproc_per_node "$(gpus)" bench/soak.py --ddp --allocator gpumem --minutes 1.5 \
-      --workloads $WORKLOADS --out "$OUT/soak_ddp.json" > "$OUT/ddp.log" 2>&1
+      $WL --out "$OUT/soak_ddp.json" > "$OUT/ddp.log" 2>&1
     rc=$?
     grep -E "^\[rank|Error" "$OUT/ddp.log" | cut -c1-400
     exit $rc
@@ -73,11 +75,11 @@ case "${1:-}" in
     rm -rf "$SOAK" && mkdir -p "$SOAK"
     last=$(( $(gpus) - 1 ))
     setsid bash -c "CUDA_VISIBLE_DEVICES=0 python3 bench/soak.py --allocator gpumem --minutes 10 \
-        --workloads $WORKLOADS --out $SOAK/soak_gpumem.json > $SOAK/soak_gpumem.log 2>&1; touch $SOAK/gpumem.done" \
+        $WL --out $SOAK/soak_gpumem.json > $SOAK/soak_gpumem.log 2>&1; touch $SOAK/gpumem.done" \
       < /dev/null > /dev/null 2>&1 &
     # The reference for the bitwise loss comparison needs fewer steps; on its own GPU it runs alongside.
     setsid bash -c "CUDA_VISIBLE_DEVICES=$last python3 bench/soak.py --allocator native --minutes ${NATIVE_MINUTES:-3} \
-        --workloads $WORKLOADS --out $SOAK/soak_native.json > $SOAK/soak_native.log 2>&1; touch $SOAK/native.done" \
+        $WL --out $SOAK/soak_native.json > $SOAK/soak_native.log 2>&1; touch $SOAK/native.done" \
       < /dev/null > /dev/null 2>&1 &
     echo "soak started at $(date -u +%T); collect after $(date -u -d '+11 min' +%T)"
     ;;
@@ -93,7 +95,7 @@ case "${1:-}" in
     cp "$SOAK"/*.log "$OUT/"
     ;;
   *)
-    sed -n '2,17p' "$0"
+    sed -n '2,17p' "$SELF"
     exit 2
     ;;
 esac

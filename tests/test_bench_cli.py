@@ -1,0 +1,151 @@
+"""The benchmarks run from a clone of this repository alone, without a GPU as far as they can: every
+script in bench/ answers --help from any folder, the workloads import and list without CUDA (and without
+torch), each workload's code runs a tiny step on the CPU and reports the figures compare_allocators.py
+tabulates, and compare_allocators.py makes its table from whatever a workloads file prints.
+Nothing here measures anything: the figures need the GPU machine (tools/gpu_session.sh)."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py"]
+
+
+def run(args, cwd, **kw):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+def test_bench_holds_benchmarks_and_tools_the_test_tooling():
+    py = {p.name for p in BENCH.glob("*.py")}
+    assert py == set(SCRIPTS) | {"models.py"}, py
+    assert {p.name for p in (ROOT / "tools").iterdir()} >= {
+        "compute_sanitizer.sh", "sanitizer_summary.py", "sanitizer_frames_check.py", "gpu_session.sh"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_from_any_folder(script, tmp_path):
+    r = run([BENCH / script, "--help"], cwd=tmp_path)
+    if r.returncode != 0 and "No module named 'torch'" in r.stderr:
+        pytest.skip(f"{script} needs torch to start")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: " + script), r.stdout[:200]
+
+
+def test_workloads_import_and_list_without_cuda_or_torch(tmp_path):
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(BENCH)!r})
+        import workloads
+        assert "torch" not in sys.modules, "importing workloads imported torch"
+        print(json.dumps({{name: list(w.figures) for name, w in workloads.WORKLOADS.items()}}))
+        print(json.dumps(list(workloads.ALLOCATORS)))
+    """)
+    r = run(["-c", code], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    figures, allocators = map(json.loads, r.stdout.splitlines())
+    assert figures == {"allocfree": ["us_per_alloc"], "varlen": ["step_ms", "frag_ratio"],
+                       "resnet": ["step_ms", "frag_ratio"]}
+    assert allocators == ["native", "expandable", "async", "gpumem"]
+    r = run([BENCH / "workloads.py", "--list"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.splitlines()] == ["allocfree", "varlen", "resnet"]
+
+
+def test_workload_without_cuda_says_so(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the workload would run for real")
+    r = run([BENCH / "workloads.py", "varlen", "native"], cwd=tmp_path)
+    assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def workloads():
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import workloads as w
+
+        yield w
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+TINY = {
+    "allocfree": dict(n=300),
+    "varlen": dict(steps=2, tokens=64, lengths=(16, 32), vocab=128, d=32, layers=1, heads=2),
+    "resnet": dict(steps=1, warmup=1, batch=2, image=32),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_each_workload_runs_tiny_on_the_cpu(workloads, name):
+    w = workloads.WORKLOADS[name]
+    result = w.run(device="cpu", **TINY[name])
+    # frag_ratio comes from torch's CUDA allocator statistics, after the run (workloads.main)
+    for figure in set(w.figures) - {"frag_ratio"}:
+        assert result[figure] > 0, result
+
+
+def test_models(workloads):
+    import torch
+
+    models = workloads.models()
+    assert workloads.GPT is models.GPT
+    net = models.resnet50()
+    assert sum(p.numel() for p in net.parameters()) == 25_557_032  # torchvision's ResNet-50
+    with torch.no_grad():
+        assert net(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+
+
+def test_varlen_shapes_keep_the_token_budget(workloads):
+    import random
+
+    rng = random.Random(0)
+    for _ in range(100):
+        batch, seq = workloads.varlen_shape(rng, 16384)
+        assert seq in workloads.SEQ_LENGTHS and abs(batch * seq - 16384) < 3 * seq
+
+
+def test_compare_allocators_tabulates_a_workloads_file(tmp_path):
+    fake = tmp_path / "fake_workloads.py"
+    fake.write_text(textwrap.dedent("""
+        import json, sys
+        workload, allocator = sys.argv[1], sys.argv[2]
+        scale = {"native": 1.0, "expandable": 1.1, "async": 1.2, "gpumem": 0.9}[allocator]
+        print("noise on stdout")
+        print(json.dumps(dict(workload=workload, allocator=allocator, us_per_alloc=2.0 * scale,
+                              step_ms=10.0 * scale, frag_ratio=1.5 if allocator == "native" else 1.01)))
+    """))
+    r = run([BENCH / "compare_allocators.py", "--workloads", fake, "--rounds", "1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in r.stdout.splitlines()
+            if re.match(r"(allocfree|varlen|resnet) ", line)}
+    assert set(rows) == {("allocfree", "us_per_alloc"), ("varlen", "step_ms"), ("varlen", "frag_ratio"),
+                         ("resnet", "step_ms"), ("resnet", "frag_ratio")}
+    assert rows[("allocfree", "us_per_alloc")] == ["2.000", "2.200", "2.400", "1.800", "0.900"]
+    assert rows[("varlen", "frag_ratio")][-1] == "1.000"
+    summary = json.loads(r.stdout.splitlines()[-1])
+    assert summary["errors"] == {}
+    assert summary["summary"]["resnet.step_ms"]["gpumem_over_best"] == pytest.approx(0.9)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_names_its_phases(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh")], cwd=tmp_path, capture_output=True,
+                       text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
+    assert r.returncode == 2
+    phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
+    assert phases == ["build", "suite", "sanitizer", "compare", "batch", "ddp", "soak-start", "soak-collect"]
+    assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()

@@ -1,11 +1,14 @@
-#include "pool.hpp"
-
+// Pool's allocation and free paths: construction and teardown, allocate / free / record_stream and the
+// pending events of cross-stream frees, arenas and their regions, mapping a block's pages (the page
+// map's bookkeeping is PageMap's, page_map.hpp), split and merge. Releasing memory is in
+// pool_release.cpp, the read-only views in pool_introspection.cpp (pool.hpp lists every file).
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
 
 #include "format.hpp"
+#include "pool.hpp"
 
 namespace gpumem {
 
@@ -48,9 +51,10 @@ Pool::~Pool() {
     for (auto& region : arena->regions) {
       try {
         if (region->paged) {
-          for (std::size_t p = 0; p < region->page_mapped.size(); ++p)
-            if (region->page_mapped[p])
-              upstream_->unmap(region->base + p * region->page, region->page, region->page);
+          const PageMap& pages = region->pages;
+          for (PageRun run = pages.next_mapped_run(0, pages.mapped_limit()); !run.empty();
+               run = pages.next_mapped_run(run.end, pages.mapped_limit()))
+            upstream_->unmap(pages.address_of(run.first), pages.bytes_of(run), pages.page());
           upstream_->release_address_range(region->base, region->size);
         } else {
           upstream_->free_segment(region->base, region->size);
@@ -122,7 +126,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
   const std::size_t rounded = round_up(bytes, kAlignment);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
+      if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
     // First fallback: everything cached goes back to the device, then try again.
     stats_.num_alloc_retries++;
     release_cached(std::numeric_limits<std::size_t>::max());
@@ -138,7 +142,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
   if (!callbacks.empty()) {
     for (auto& cb : callbacks) cb();
     std::lock_guard<std::mutex> lock(mutex_);
-    release_cached(std::numeric_limits<std::size_t>::max());
+      release_cached(std::numeric_limits<std::size_t>::max());
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -192,7 +196,9 @@ bool Pool::commit_allocation(Block* block, bool release_and_retry) {
   };
   bool mapped;
   try {
-    mapped = !block->region->paged || below_mapped_limit(block) || ensure_mapped(block);
+    const Region* region = block->region;
+    mapped = !region->paged || region->pages.below_mapped_limit(block->address, block->size) ||
+             ensure_mapped(block);
     if (!mapped && release_and_retry) {
       stats_.num_alloc_retries++;
       release_cached(std::numeric_limits<std::size_t>::max());
@@ -271,8 +277,7 @@ Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t by
   region->size = bytes;
   region->arena = &arena;
   region->paged = page != 0;
-  region->page = page;
-  if (page) region->page_mapped.assign(bytes / page, 0);
+  if (page) region->pages = PageMap(base, bytes, page);
   Block* b = new_block();
   b->address = base;
   b->size = bytes;
@@ -284,65 +289,27 @@ Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t by
   return r;
 }
 
-// Whether all the block's pages are mapped, cheaply (no division, inlined): no page below
-// mapped_limit was ever given back, and the block lies below it.
-inline bool Pool::below_mapped_limit(const Block* block) {
-  const Region* r = block->region;
-  return r->holes == 0 && block->address + block->size <= r->base + r->mapped_limit * r->page;
-}
-
 // Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
 // mapped and accounted as reserved; the caller returns the block to the free set.
 bool Pool::ensure_mapped(Block* block) {
-  if (below_mapped_limit(block)) return true;
   Region* region = block->region;
-  std::size_t first = (block->address - region->base) / region->page;
-  std::size_t last = (block->address + block->size - 1 - region->base) / region->page;
-  std::size_t missing = 0;
-  for (std::size_t p = first; p <= last; ++p) missing += !region->page_mapped[p];
+  PageMap& pages = region->pages;
+  if (pages.below_mapped_limit(block->address, block->size)) return true;
+  const PageRun touched = pages.touched(block->address, block->size);
+  const std::size_t missing = pages.count_unmapped(touched);
   if (missing == 0) return true;
-  if (!make_room(missing * region->page)) return false;
-  for (std::size_t p = first; p <= last;) {
-    if (region->page_mapped[p]) {
-      ++p;
-      continue;
-    }
-    std::size_t run_end = p;
-    while (run_end <= last && !region->page_mapped[run_end]) ++run_end;
-    std::size_t bytes = (run_end - p) * region->page;
-    if (!upstream_->map(region->base + p * region->page, bytes, region->page)) return false;
+  if (!make_room(missing * pages.page())) return false;
+  for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
+       run = pages.next_unmapped_run(run.end, touched.end)) {
+    const std::uintptr_t address = pages.address_of(run.first);
+    const std::size_t bytes = pages.bytes_of(run);
+    if (!upstream_->map(address, bytes, pages.page())) return false;
     stats_.num_device_alloc++;
-    std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 1);
-    const std::size_t old_limit = region->mapped_limit;
-    region->holes -= std::min(run_end, old_limit) - std::min(p, old_limit);  // holes filled
-    region->holes += p > old_limit ? p - old_limit : 0;                      // gap left below
-    region->mapped_limit = std::max(old_limit, run_end);
+    pages.mark_mapped(run);
     add_reserved(region, static_cast<std::int64_t>(bytes));
-    notify(SegmentEvent::kMap, region->base + p * region->page, bytes, region->arena->stream);
-    p = run_end;
+    notify(SegmentEvent::kMap, address, bytes, region->arena->stream);
   }
   return true;
-}
-
-// Makes room for `bytes` more reserved bytes under the cap and, with the high-water policy, under the
-// live high water plus the slack (best effort). False only when the cap cannot be met.
-bool Pool::make_room(std::size_t bytes) {
-  if (!growth_allowed_) return false;
-  std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
-  const auto allowed =
-      static_cast<std::size_t>(static_cast<double>(live_high_water_) * (1.0 + options_.release_slack));
-  if (options_.release == ReleasePolicy::kHighWater && reserved + bytes > allowed)
-    release_cached(reserved + bytes - allowed);
-  reserved = stats_.reserved_bytes[kAggregate].current;
-  const std::size_t cap = effective_cap_locked();
-  if (reserved + bytes > cap) {
-    release_cached(reserved + bytes - cap);
-    reserved = stats_.reserved_bytes[kAggregate].current;
-  }
-  if (reserved + bytes > cap) return false;
-  // Pools sharing the budget hold memory too: this pool's own cache goes back first.
-  if (!budget_->fits(bytes)) release_cached(budget_->excess(bytes));
-  return budget_->fits(bytes);
 }
 
 void Pool::split(Block* block, std::size_t size) {
@@ -490,325 +457,7 @@ void Pool::recycle_completed() {
   }
 }
 
-// ---- releasing memory ----------------------------------------------------------------------------
-
-// Unmaps the whole pages inside a free block, up to `target` bytes. Returns the bytes unmapped.
-std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
-  Region* region = block->region;
-  std::size_t first = (block->address - region->base + region->page - 1) / region->page;
-  std::size_t end = std::min((block->address + block->size - region->base) / region->page,
-                             region->mapped_limit);
-  std::size_t released = 0;
-  bool synced = false;
-  for (std::size_t p = first; p < end && released < target;) {
-    if (!region->page_mapped[p]) {
-      ++p;
-      continue;
-    }
-    std::size_t run_end = p;
-    while (run_end < end && region->page_mapped[run_end] &&
-           released + (run_end - p) * region->page < target)
-      ++run_end;
-    if (!synced) {
-      // The block's last user may still be running on its stream: wait before the memory goes back.
-      upstream_->synchronize(region->arena->stream);
-      stats_.num_sync_all_streams++;
-      synced = true;
-    }
-    std::size_t bytes = (run_end - p) * region->page;
-    upstream_->unmap(region->base + p * region->page, bytes, region->page);  // throws: pages stay mapped, accounted
-    stats_.num_device_free++;
-    std::fill(region->page_mapped.begin() + p, region->page_mapped.begin() + run_end, 0);
-    region->holes += run_end - p;  // released pages always lie below mapped_limit
-    add_reserved(region, -static_cast<std::int64_t>(bytes));
-    notify(SegmentEvent::kUnmap, region->base + p * region->page, bytes, region->arena->stream);
-    released += bytes;
-    p = run_end;
-  }
-  return released;
-}
-
-// Returns cached memory (whole free pages, whole free segments) to the device until `target` bytes
-// have gone back or nothing more can. Largest free blocks go first: they give the most per call.
-std::size_t Pool::release_cached(std::size_t target, bool rethrow) {
-  std::size_t released = 0;
-  try {
-    released = release_cached_units(target);
-  } catch (const UpstreamError&) {
-    // The unit that failed stays reserved and accounted; allocation paths carry on with what they
-    // have (and report an OOM if that is not enough), trim() reports the driver's error.
-    if (rethrow) throw;
-  }
-  return released;
-}
-
-std::size_t Pool::release_cached_units(std::size_t target) {
-  std::size_t released = 0;
-  for (auto& arena_ptr : arenas_) {
-    Arena& arena = *arena_ptr;
-    if (released >= target) break;
-    if (upstream_->kind() == UpstreamKind::kPages) {
-      std::vector<Block*> candidates;  // only the large blocks can hold a whole page
-      arena.free_blocks.for_each_large_largest_first([&](Block* b) {
-        if (b->size >= b->region->page) candidates.push_back(b);
-      });
-      for (Block* b : candidates) {
-        if (released >= target) break;
-        released += release_pages_of(b, target - released);
-      }
-      continue;
-    }
-    bool synced = false;
-    for (auto it = arena.regions.begin(); it != arena.regions.end() && released < target;) {
-      Region* region = it->get();
-      Block* b = region->first;
-      if (b->state != BlockInfo::kFree || b->size != region->size) {
-        ++it;
-        continue;
-      }
-      if (!synced) {
-        upstream_->synchronize(arena.stream);
-        stats_.num_sync_all_streams++;
-        synced = true;
-      }
-      upstream_->free_segment(region->base, region->size);  // throws: segment stays, accounted
-      stats_.num_device_free++;
-      arena.free_blocks.erase(b);
-      delete_block(b);
-      add_reserved(region, -static_cast<std::int64_t>(region->size));
-      notify(SegmentEvent::kSegmentFree, region->base, region->size, arena.stream);
-      released += region->size;
-      it = arena.regions.erase(it);
-    }
-  }
-  return released;
-}
-
-std::size_t Pool::trim() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return release_cached(std::numeric_limits<std::size_t>::max(), /*rethrow=*/true);
-}
-
-// ---- cap, stats, introspection -------------------------------------------------------------------
-
-void Pool::set_cap(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const std::size_t active = stats_.active_bytes[kAggregate].current;
-  if (bytes != 0 && bytes < active)
-    throw InvalidArgument("gpumem: cannot cap device " + std::to_string(options_.device) + " at " +
-                          format_bytes(bytes) + ": live tensors already hold " +
-                          format_bytes(active) + "; nothing was changed. Free them first or "
-                          "choose a cap of at least that.");
-  if (bytes != 0 && bytes < page_size_)
-    throw InvalidArgument("gpumem: a cap of " + format_bytes(bytes) + " is below one page (" +
-                          format_bytes(page_size_) + ")");
-  options_.cap_bytes = bytes;
-  const std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
-  if (reserved > effective_cap_locked()) release_cached(reserved - effective_cap_locked());
-}
-
-std::size_t Pool::cap() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return options_.cap_bytes;
-}
-
-void Pool::set_limit(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  budget_->set_limit(bytes);
-  // Cached pages go back down to the limit where they can; pages under live blocks stay.
-  if (const std::size_t excess = budget_->excess(0)) release_cached(excess);
-}
-
-std::size_t Pool::limit() const { return budget_->limit(); }
-
-std::size_t Pool::effective_cap() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return effective_cap_locked();
-}
-
-Pool::ExportedBlock Pool::export_block(std::uintptr_t address) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Block* block = find_live(address, "export");
-  Region* r = block->region;
-  if (!r->paged)
-    throw UpstreamError("gpumem: only memory of a paged upstream (CUDA virtual memory) can be exported");
-  const std::size_t first = (block->address - r->base) / r->page;
-  const std::size_t last = (block->address + block->size - 1 - r->base) / r->page;
-  ExportedBlock out{r->base + first * r->page, r->page, {}};
-  out.fds = upstream_->export_pages(out.first_page, last - first + 1, r->page);
-  return out;
-}
-
-void Pool::count_oom() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.num_ooms++;
-}
-
-std::size_t Pool::allocated_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<std::size_t>(stats_.allocated_bytes[kAggregate].current);
-}
-
-std::size_t Pool::reserved_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
-}
-
-void Pool::set_segment_observer(SegmentObserver observer) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    observer_.swap(observer);
-  }
-  // The previous observer is destroyed here, without the lock: its destructor may need other locks
-  // (a Python callable's needs the GIL).
-}
-
-DeviceStats Pool::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  // Inactive split blocks are derived, not tracked per operation: free blocks that share a region
-  // with other blocks, counted by the memory that backs them.
-  std::int64_t count[kNumStatTypes] = {0, 0, 0}, bytes[kNumStatTypes] = {0, 0, 0};
-  for (auto& arena : arenas_) {
-    StatType type = arena->small ? kSmallPool : kLargePool;
-    arena->free_blocks.for_each([&](const Block* b) {
-      if (b->size == b->region->size) return;  // a whole region: releasable, not split
-      const std::size_t backed = backed_bytes(b);
-      if (backed == 0) return;
-      count[type]++;
-      bytes[type] += static_cast<std::int64_t>(backed);
-    });
-  }
-  count[kAggregate] = count[kSmallPool] + count[kLargePool];
-  bytes[kAggregate] = bytes[kSmallPool] + bytes[kLargePool];
-  for (int t = 0; t < kNumStatTypes; ++t) {
-    Stat& c = stats_.inactive_split[t];
-    Stat& b = stats_.inactive_split_bytes[t];
-    c.current = count[t];
-    c.peak = std::max(c.peak, c.current);
-    b.current = bytes[t];
-    b.peak = std::max(b.peak, b.current);
-  }
-  return stats_;
-}
-
-void Pool::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.reset_peak();
-}
-
-void Pool::reset_accumulated_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.reset_accumulated();
-}
-
-std::size_t Pool::largest_free_block() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return largest_free_block_locked();
-}
-
-std::size_t Pool::largest_free_block_locked() const {
-  std::size_t best = 0;
-  for (auto& arena : arenas_)
-    arena->free_blocks.for_each([&](const Block* b) {
-      if (b->size > best) best = std::max(best, longest_backed_run(b));
-    });
-  return best;
-}
-
-std::size_t Pool::backed_bytes(const Block* b) const {
-  const Region* r = b->region;
-  if (!r->paged) return b->size;
-  std::size_t backed = 0;
-  const std::size_t first = (b->address - r->base) / r->page;
-  const std::size_t end = std::min((b->address + b->size - 1 - r->base) / r->page + 1, r->mapped_limit);
-  for (std::size_t p = first; p < end; ++p) {
-    if (!r->page_mapped[p]) continue;
-    const std::uintptr_t lo = std::max<std::uintptr_t>(b->address, r->base + p * r->page);
-    const std::uintptr_t hi = std::min<std::uintptr_t>(b->address + b->size, r->base + (p + 1) * r->page);
-    backed += hi - lo;
-  }
-  return backed;
-}
-
-std::size_t Pool::longest_backed_run(const Block* b) const {
-  const Region* r = b->region;
-  if (!r->paged) return b->size;
-  std::size_t best = 0;
-  std::uintptr_t run_start = b->address;
-  const std::uintptr_t end =
-      std::min<std::uintptr_t>(b->address + b->size, r->base + r->mapped_limit * r->page);
-  for (std::uintptr_t a = b->address; a < end;) {
-    const std::size_t p = (a - r->base) / r->page;
-    const std::uintptr_t page_end = std::min<std::uintptr_t>(end, r->base + (p + 1) * r->page);
-    if (!r->page_mapped[p]) run_start = page_end;
-    else best = std::max<std::size_t>(best, page_end - run_start);
-    a = page_end;
-  }
-  return best;
-}
-
-std::size_t Pool::allocation_size(std::uintptr_t address) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Block* const* found = live_.find(address);
-  return !found || (*found)->state != BlockInfo::kAllocated ? 0 : (*found)->size;
-}
-
-bool Pool::live_block(std::uintptr_t address, BlockInfo* out) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Block* const* found = live_.find(address);
-  if (!found || (*found)->state != BlockInfo::kAllocated) return false;
-  const Block* b = *found;
-  if (out) *out = BlockInfo{b->address, b->size, b->requested, b->state, b->last_requested};
-  return true;
-}
-
-// Segments as PyTorch reports them: a region of segments is one segment; a paged region is one
-// segment per run of mapped pages (as PyTorch does for expandable segments), its blocks clipped to
-// the run, so the segments add up to the reserved bytes and unmapped address space is not drawn.
-std::vector<RegionInfo> Pool::snapshot() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<RegionInfo> out;
-  for (auto& arena : arenas_) {
-    for (auto& region : arena->regions) {
-      if (region->reserved == 0) continue;
-      auto info_of = [&](const Block* b) {
-        return BlockInfo{b->address, b->size, b->requested, b->state, b->last_requested};
-      };
-      if (!region->paged) {
-        RegionInfo info{region->base, region->size, region->reserved, arena->stream, arena->small, {}};
-        for (Block* b = region->first; b; b = b->next) info.blocks.push_back(info_of(b));
-        out.push_back(std::move(info));
-        continue;
-      }
-      const Block* b = region->first;
-      const std::size_t pages = std::min(region->mapped_limit, region->page_mapped.size());
-      for (std::size_t p = 0; p < pages;) {
-        if (!region->page_mapped[p]) {
-          ++p;
-          continue;
-        }
-        std::size_t end_page = p;
-        while (end_page < pages && region->page_mapped[end_page]) ++end_page;
-        const std::uintptr_t lo = region->base + p * region->page;
-        const std::uintptr_t hi = region->base + end_page * region->page;
-        RegionInfo info{lo, hi - lo, hi - lo, arena->stream, arena->small, {}};
-        while (b && b->address + b->size <= lo) b = b->next;
-        for (const Block* c = b; c && c->address < hi; c = c->next) {
-          BlockInfo block = info_of(c);
-          const std::uintptr_t from = std::max<std::uintptr_t>(c->address, lo);
-          const std::uintptr_t to = std::min<std::uintptr_t>(c->address + c->size, hi);
-          block.address = from;
-          block.size = to - from;
-          if (from != c->address) block.last_requested = 0;  // the tail of a free block
-          info.blocks.push_back(block);
-        }
-        out.push_back(std::move(info));
-        p = end_page;
-      }
-    }
-  }
-  return out;
-}
+// ---- out-of-memory callbacks, the segment observer -----------------------------------------------
 
 int Pool::add_oom_callback(OomCallback callback) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -823,129 +472,13 @@ void Pool::remove_oom_callback(int id) {
                        oom_callbacks_.end());
 }
 
-std::string Pool::oom_message(std::size_t requested, StreamId stream, std::uintptr_t at) const {
-  // Plain string building: iostreams crashed when a second libstdc++ was loaded in the process.
-  char stream_hex[32], at_hex[48] = "";
-  std::snprintf(stream_hex, sizeof stream_hex, "0x%" PRIxPTR, stream);
-  if (at) std::snprintf(at_hex, sizeof at_hex, " at 0x%" PRIxPTR, at);
-  const std::string cap = options_.cap_bytes
-                              ? format_bytes(options_.cap_bytes)
-                              : "none (device total " + format_bytes(upstream_->device_total_bytes()) + ")";
-  const std::size_t limit_bytes = budget_->limit();
-  const std::string limit = limit_bytes == kNoLimit
-                                ? ""
-                                : ", limit " + format_bytes(limit_bytes) + (own_budget_ ? "" : " (all pools of the device: " + format_bytes(budget_->reserved()) + " reserved)");
-  return "gpumem: out of memory on device " + std::to_string(options_.device) + ": tried to allocate " +
-         format_bytes(requested) + at_hex + " (stream " + stream_hex + "); " +
-         format_bytes(stats_.allocated_bytes[kAggregate].current) + " held by live tensors, " +
-         format_bytes(stats_.reserved_bytes[kAggregate].current) + " reserved by gpumem, cap " + cap +
-         limit + ", device free " + format_bytes(upstream_->device_free_bytes()) + ", largest free block " +
-         format_bytes(largest_free_block_locked()) +
-         ". Free tensors you no longer need, use a smaller batch (gpumem.find_batch_size), or raise "
-         "the cap (GPUMEM_CONF=cap:...).";
-}
-
-// ---- invariant checker ---------------------------------------------------------------------------
-
-void Pool::validate() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto fail = [](const std::string& what) { throw InvariantViolation("gpumem invariant: " + what); };
-  std::int64_t allocated = 0, requested = 0, active = 0, reserved = 0, allocations = 0,
-               actives = 0, segments = 0;
-  std::size_t live_seen = 0, free_seen = 0;
-  for (auto& arena : arenas_) {
-    std::size_t free_in_arena = 0;
-    for (auto& region : arena->regions) {
-      if (region->arena != arena.get()) fail("region points to another arena");
-      std::uintptr_t expect = region->base;
-      std::size_t region_reserved = 0;
-      std::size_t holes = 0;
-      if (region->paged) {
-        const auto& pages = region->page_mapped;
-        const std::size_t limit = std::min(region->mapped_limit, pages.size());
-        for (std::size_t p = 0; p < limit; ++p) {
-          region_reserved += pages[p] ? region->page : 0;
-          holes += !pages[p];
-        }
-        if (std::find(pages.begin() + limit, pages.end(), 1) != pages.end())
-          fail("mapped page above mapped_limit");
-        if (holes != region->holes) fail("hole count disagrees with the page map");
-      } else {
-        region_reserved = region->size;
-      }
-      if (region_reserved != region->reserved) fail("region reserved bytes disagree with its pages");
-
-      reserved += static_cast<std::int64_t>(region->reserved);
-      segments += region->reserved > 0;
-      const Block* prev = nullptr;
-      for (Block* b = region->first; b; b = b->next) {
-        if (b->region != region.get()) fail("block points to another region");
-        if (b->prev != prev) fail("broken prev link");
-        if (b->address != expect) fail("blocks overlap or leave a gap");
-        if (b->size == 0 || b->size % kAlignment || b->address % kAlignment) fail("misaligned block");
-        expect += b->size;
-        if (b->state == BlockInfo::kFree) {
-          free_seen++;
-          free_in_arena++;
-          if (!arena->free_blocks.contains(b)) fail("free block missing from its arena's free index");
-          if (prev && prev->state == BlockInfo::kFree) fail("two adjacent free blocks not merged");
-          if (b->requested || !b->extra_streams.empty() || b->pending_events)
-            fail("free block carries allocation state");
-        } else {
-          live_seen++;
-          Block* const* found = live_.find(b->address);
-          if (!found || *found != b) fail("live block missing from the address map");
-          active += static_cast<std::int64_t>(b->size);
-          actives++;
-          if (b->state == BlockInfo::kAllocated) {
-            allocated += static_cast<std::int64_t>(b->size);
-            requested += static_cast<std::int64_t>(b->requested);
-            allocations++;
-            if (b->requested == 0 || b->requested > b->size) fail("requested size out of range");
-            if (b->pending_events) fail("allocated block has pending events");
-          } else if (b->pending_events == 0) {
-            fail("pending block without events");
-          }
-          if (region->paged) {
-            std::size_t first = (b->address - region->base) / region->page;
-            std::size_t last = (b->address + b->size - 1 - region->base) / region->page;
-            for (std::size_t p = first; p <= last; ++p)
-              if (!region->page_mapped[p]) fail("live block on an unmapped page");
-          }
-        }
-        prev = b;
-      }
-      if (expect != region->base + region->size) fail("blocks do not cover their region");
-    }
-    if (free_in_arena != arena->free_blocks.size()) fail("free index holds blocks not in any region");
-    if (!arena->free_blocks.consistent()) fail("a free bin's or size class's list or bitmap is inconsistent");
+void Pool::set_segment_observer(SegmentObserver observer) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    observer_.swap(observer);
   }
-  if (live_seen != live_.size()) fail("address map holds blocks not in any region");
-  std::size_t pending_blocks = 0;
-  for (auto& p : pending_) pending_blocks += p.block->state == BlockInfo::kPending;
-  if (pending_blocks < static_cast<std::size_t>(actives - allocations)) fail("pending block lost");
-  const auto& s = stats_;
-  auto check = [&](const Stat& stat, std::int64_t truth, const char* name) {
-    if (stat.current != truth)
-      fail(std::string(name) + " is " + std::to_string(stat.current) + " but the blocks say " +
-           std::to_string(truth));
-    if (stat.peak < stat.current) fail(std::string(name) + " peak below current");
-  };
-  check(s.allocated_bytes[kAggregate], allocated, "allocated_bytes");
-  check(s.requested_bytes[kAggregate], requested, "requested_bytes");
-  check(s.active_bytes[kAggregate], active, "active_bytes");
-  check(s.reserved_bytes[kAggregate], reserved, "reserved_bytes");
-  if (own_budget_ && budget_->reserved() != static_cast<std::size_t>(reserved))
-    fail("the budget counts " + std::to_string(budget_->reserved()) + " reserved bytes but the regions hold " +
-         std::to_string(reserved));
-  check(s.allocation[kAggregate], allocations, "allocation count");
-  check(s.active[kAggregate], actives, "active count");
-  check(s.segment[kAggregate], segments, "segment count");
-  for (auto* a : {&s.allocated_bytes, &s.requested_bytes, &s.active_bytes, &s.reserved_bytes,
-                  &s.allocation, &s.active, &s.segment})
-    if ((*a)[kAggregate].current != (*a)[kSmallPool].current + (*a)[kLargePool].current)
-      fail("small + large pool stats do not add up to the aggregate");
-  (void)free_seen;
+  // The previous observer is destroyed here, without the lock: its destructor may need other locks
+  // (a Python callable's needs the GIL).
 }
 
 }  // namespace gpumem

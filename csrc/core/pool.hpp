@@ -23,6 +23,18 @@
 //  - record_stream(ptr, S2) makes free() record an event on S2; the block is reused only after it.
 //  - allocate_at() carves a block at a given address out of free space (CUDA-graph checkpoints are
 //    restored by re-allocating blocks where they were); its code is in pool_allocate_at.cpp.
+//
+// Where the code is (one concept per file):
+//   pool.hpp                 this class, its options and what it reports (BlockInfo, RegionInfo)
+//   pool.cpp                 construction and teardown, allocate / free / record_stream and pending
+//                            events, arenas and regions, mapping a block's pages, split and merge
+//   pool_allocate_at.cpp     allocate_at: a block carved at a given address
+//   pool_release.cpp         giving memory back: make_room, release_cached, trim, the cap and limit
+//   pool_introspection.cpp   stats, snapshot, largest free block, live-block queries, export, OOM text
+//   pool_validate.cpp        validate(), the invariant checker
+//   page_map.hpp/.cpp        a paged region's page flags, mapped_limit and holes (PageMap)
+//   free_index.hpp           an arena's free blocks by size (bins + size_class_lists.hpp)
+//   address_map.hpp          live blocks by address
 #pragma once
 
 #include <cstddef>
@@ -38,6 +50,7 @@
 #include "budget.hpp"
 #include "errors.hpp"
 #include "free_index.hpp"
+#include "page_map.hpp"
 #include "stats.hpp"
 #include "types.hpp"
 #include "upstream.hpp"
@@ -222,11 +235,8 @@ class Pool {
     std::size_t size = 0;
     Arena* arena = nullptr;
     bool paged = false;
-    std::size_t page = 0;                   // paged regions: bytes per page (one physical allocation)
-    std::vector<std::uint8_t> page_mapped;  // paged regions: one flag per page
+    PageMap pages;                          // paged regions: which pages are mapped
     std::size_t reserved = 0;               // bytes backed by device memory
-    std::size_t mapped_limit = 0;           // no page at or past this index has ever been mapped
-    std::size_t holes = 0;                  // unmapped pages below mapped_limit
     Block* first = nullptr;
   };
   struct Arena {
@@ -239,6 +249,8 @@ class Pool {
     Block* block;
     EventId event;
   };
+
+  void validate_locked() const;
 
   std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);
   bool commit_allocation(Block* block, bool release_and_retry);
@@ -255,7 +267,6 @@ class Pool {
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);
-  static bool below_mapped_limit(const Block* block);
   bool ensure_mapped(Block* block);
   bool make_room(std::size_t bytes);
   std::size_t release_cached(std::size_t target, bool rethrow = false);
@@ -270,8 +281,8 @@ class Pool {
   void delete_block(Block* block);
   Block* find_live(std::uintptr_t address, const char* what) const;
   std::size_t largest_free_block_locked() const;
-  std::size_t backed_bytes(const Block* block) const;      // bytes of a free block on mapped pages
-  std::size_t longest_backed_run(const Block* block) const;  // longest such run without a gap
+  static std::size_t backed_bytes(const Block* block);        // bytes of a free block on mapped pages
+  static std::size_t longest_backed_run(const Block* block);  // longest such run without a gap
   std::size_t effective_cap_locked() const {
     const std::size_t cap = options_.cap_bytes ? options_.cap_bytes : upstream_->device_total_bytes();
     const std::size_t limit = budget_->limit();

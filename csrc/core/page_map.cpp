@@ -1,0 +1,89 @@
+// PageMap's walks over the page flags (page_map.hpp): runs, counts, and the holes arithmetic.
+#include "page_map.hpp"
+
+#include <algorithm>
+
+namespace gpumem {
+
+PageMap::PageMap(std::uintptr_t base, std::size_t bytes, std::size_t page)
+    : dense_end_(base), base_(base), page_(page), mapped_(bytes / page, 0) {}
+
+PageRun PageMap::inside(std::uintptr_t address, std::size_t bytes) const {
+  const std::size_t first = (address - base_ + page_ - 1) / page_;
+  const std::size_t end = std::min((address + bytes - base_) / page_, mapped_limit_);
+  return PageRun{first, std::max(first, end)};
+}
+
+std::size_t PageMap::count_unmapped(PageRun run) const {
+  std::size_t missing = 0;
+  for (std::size_t p = run.first; p < run.end; ++p) missing += !mapped_[p];
+  return missing;
+}
+
+PageRun PageMap::next_run(std::size_t from, std::size_t end, std::uint8_t state) const {
+  std::size_t first = from;
+  while (first < end && mapped_[first] != state) ++first;
+  std::size_t last = first;
+  while (last < end && mapped_[last] == state) ++last;
+  return PageRun{first, last};
+}
+
+void PageMap::mark_mapped(PageRun run) {
+  std::fill(mapped_.begin() + static_cast<std::ptrdiff_t>(run.first),
+            mapped_.begin() + static_cast<std::ptrdiff_t>(run.end), 1);
+  const std::size_t old_limit = mapped_limit_;
+  holes_ -= std::min(run.end, old_limit) - std::min(run.first, old_limit);  // holes filled
+  holes_ += run.first > old_limit ? run.first - old_limit : 0;              // gap left below
+  mapped_limit_ = std::max(old_limit, run.end);
+  update_dense_end();
+}
+
+void PageMap::mark_unmapped(PageRun run) {
+  std::fill(mapped_.begin() + static_cast<std::ptrdiff_t>(run.first),
+            mapped_.begin() + static_cast<std::ptrdiff_t>(run.end), 0);
+  holes_ += run.count();  // mapped pages always lie below mapped_limit
+  update_dense_end();
+}
+
+std::size_t PageMap::mapped_bytes_in(std::uintptr_t address, std::size_t bytes) const {
+  const PageRun run = touched(address, bytes);
+  std::size_t backed = 0;
+  for (std::size_t p = run.first; p < std::min(run.end, mapped_limit_); ++p) {
+    if (!mapped_[p]) continue;
+    const std::uintptr_t lo = std::max<std::uintptr_t>(address, address_of(p));
+    const std::uintptr_t hi = std::min<std::uintptr_t>(address + bytes, address_of(p + 1));
+    backed += hi - lo;
+  }
+  return backed;
+}
+
+std::size_t PageMap::longest_mapped_run_in(std::uintptr_t address, std::size_t bytes) const {
+  std::size_t best = 0;
+  std::uintptr_t run_start = address;
+  const std::uintptr_t end = std::min<std::uintptr_t>(address + bytes, address_of(mapped_limit_));
+  for (std::uintptr_t a = address; a < end;) {
+    const std::size_t p = (a - base_) / page_;
+    const std::uintptr_t page_end = std::min<std::uintptr_t>(end, address_of(p + 1));
+    if (!mapped_[p]) run_start = page_end;
+    else best = std::max<std::size_t>(best, page_end - run_start);
+    a = page_end;
+  }
+  return best;
+}
+
+std::size_t PageMap::mapped_bytes() const {
+  return static_cast<std::size_t>(std::count(mapped_.begin(), mapped_.end(), 1)) * page_;
+}
+
+const char* PageMap::inconsistency() const {
+  if (mapped_limit_ > mapped_.size()) return "mapped_limit past the region's last page";
+  const auto limit = mapped_.begin() + static_cast<std::ptrdiff_t>(mapped_limit_);
+  if (std::find(limit, mapped_.end(), 1) != mapped_.end()) return "mapped page above mapped_limit";
+  if (static_cast<std::size_t>(std::count(mapped_.begin(), limit, 0)) != holes_)
+    return "hole count disagrees with the page map";
+  if (dense_end_ != (holes_ == 0 ? base_ + mapped_limit_ * page_ : base_))
+    return "the fast path's mapped bound disagrees with mapped_limit and holes";
+  return nullptr;
+}
+
+}  // namespace gpumem

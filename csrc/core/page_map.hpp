@@ -1,0 +1,88 @@
+// The page map of one paged region (CUDA virtual memory): which of the region's pages are mapped, and
+// every question the pool asks about them. It owns the per-page flags and two summaries kept in step
+// with them: `mapped_limit` (no page at or past it has ever been mapped) and `holes` (unmapped pages
+// below mapped_limit). With them the allocation fast path (below_mapped_limit) is one comparison.
+// It never calls the upstream: the pool maps or unmaps pages, then records it here (mark_mapped /
+// mark_unmapped). Pages are indexed from the region's base; a PageRun is a half-open range of them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace gpumem {
+
+// Pages [first, end) of one region.
+struct PageRun {
+  std::size_t first = 0;
+  std::size_t end = 0;
+  std::size_t count() const { return end - first; }
+  bool empty() const { return end == first; }
+};
+
+class PageMap {
+ public:
+  PageMap() = default;  // no pages (a region of segments)
+  // `bytes` pages of `page` bytes each from `base`, none mapped. `page` > 0 divides `bytes`.
+  PageMap(std::uintptr_t base, std::size_t bytes, std::size_t page);
+
+  std::size_t page() const { return page_; }
+  std::size_t pages() const { return mapped_.size(); }
+  std::size_t mapped_limit() const { return mapped_limit_; }
+  std::size_t holes() const { return holes_; }
+  bool mapped(std::size_t p) const { return mapped_[p] != 0; }
+  std::uintptr_t address_of(std::size_t p) const { return base_ + p * page_; }
+  std::size_t bytes_of(PageRun run) const { return run.count() * page_; }
+
+  // Whether [address, address + bytes) (bytes > 0) lies on mapped pages, decided without a walk or a
+  // division: no page below mapped_limit was ever unmapped, and the range ends at or below it. False
+  // says nothing (ask count_unmapped); the allocation hot path asks this first.
+  bool below_mapped_limit(std::uintptr_t address, std::size_t bytes) const {
+    return address + bytes <= dense_end_;
+  }
+
+  // The pages [address, address + bytes) touches, partly or wholly (bytes > 0, inside the region).
+  PageRun touched(std::uintptr_t address, std::size_t bytes) const {
+    return PageRun{(address - base_) / page_, (address + bytes - 1 - base_) / page_ + 1};
+  }
+  // The pages wholly inside [address, address + bytes) that lie below mapped_limit: those that can be
+  // unmapped under a free block of that range. Empty when there are none.
+  PageRun inside(std::uintptr_t address, std::size_t bytes) const;
+
+  std::size_t count_unmapped(PageRun run) const;
+  // The first run of unmapped (mapped) pages in [from, end), as long as it goes before `end`; an empty
+  // run at `end` when there is none.
+  PageRun next_unmapped_run(std::size_t from, std::size_t end) const { return next_run(from, end, 0); }
+  PageRun next_mapped_run(std::size_t from, std::size_t end) const { return next_run(from, end, 1); }
+
+  // Records that the pages of `run`, all unmapped, are now mapped: holes below mapped_limit are
+  // filled, the pages skipped between mapped_limit and the run become holes, and mapped_limit moves
+  // to the run's end if it lies beyond.
+  void mark_mapped(PageRun run);
+  // Records that the pages of `run`, all mapped (so below mapped_limit), are unmapped: holes now.
+  void mark_unmapped(PageRun run);
+
+  // Bytes of [address, address + bytes) that lie on mapped pages.
+  std::size_t mapped_bytes_in(std::uintptr_t address, std::size_t bytes) const;
+  // The longest part of [address, address + bytes) that lies on consecutive mapped pages, in bytes.
+  std::size_t longest_mapped_run_in(std::uintptr_t address, std::size_t bytes) const;
+  // Bytes of all mapped pages: the region's reserved bytes.
+  std::size_t mapped_bytes() const;
+
+  // For the invariant checker: null when the flags, mapped_limit, holes and the fast path's bound
+  // agree; otherwise what disagrees.
+  const char* inconsistency() const;
+
+ private:
+  PageRun next_run(std::size_t from, std::size_t end, std::uint8_t state) const;
+  void update_dense_end() { dense_end_ = holes_ == 0 ? base_ + mapped_limit_ * page_ : base_; }
+
+  std::uintptr_t dense_end_ = 0;  // base + mapped_limit * page while there are no holes, else base
+  std::uintptr_t base_ = 0;
+  std::size_t page_ = 0;
+  std::size_t mapped_limit_ = 0;  // no page at or past this index has ever been mapped
+  std::size_t holes_ = 0;         // unmapped pages below mapped_limit
+  std::vector<std::uint8_t> mapped_;  // one flag per page
+};
+
+}  // namespace gpumem

@@ -1,0 +1,103 @@
+// The invariant checker, validate(): every block of every region (links, coverage, alignment, merged
+// free neighbours, allocation state), the free index, the address map of live blocks, each paged
+// region's page map, the pending frees, and every statistic against what the blocks say (pool.hpp
+// lists every file).
+#include <algorithm>
+#include <string>
+
+#include "pool.hpp"
+
+namespace gpumem {
+
+void Pool::validate() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  validate_locked();
+}
+
+void Pool::validate_locked() const {
+  auto fail = [](const std::string& what) { throw InvariantViolation("gpumem invariant: " + what); };
+  std::int64_t allocated = 0, requested = 0, active = 0, reserved = 0, allocations = 0,
+               actives = 0, segments = 0;
+  std::size_t live_seen = 0, free_seen = 0;
+  for (auto& arena : arenas_) {
+    std::size_t free_in_arena = 0;
+    for (auto& region : arena->regions) {
+      if (region->arena != arena.get()) fail("region points to another arena");
+      std::uintptr_t expect = region->base;
+      std::size_t region_reserved = region->size;
+      if (region->paged) {
+        if (const char* wrong = region->pages.inconsistency()) fail(wrong);
+        region_reserved = region->pages.mapped_bytes();
+      }
+      if (region_reserved != region->reserved) fail("region reserved bytes disagree with its pages");
+
+      reserved += static_cast<std::int64_t>(region->reserved);
+      segments += region->reserved > 0;
+      const Block* prev = nullptr;
+      for (Block* b = region->first; b; b = b->next) {
+        if (b->region != region.get()) fail("block points to another region");
+        if (b->prev != prev) fail("broken prev link");
+        if (b->address != expect) fail("blocks overlap or leave a gap");
+        if (b->size == 0 || b->size % kAlignment || b->address % kAlignment) fail("misaligned block");
+        expect += b->size;
+        if (b->state == BlockInfo::kFree) {
+          free_seen++;
+          free_in_arena++;
+          if (!arena->free_blocks.contains(b)) fail("free block missing from its arena's free index");
+          if (prev && prev->state == BlockInfo::kFree) fail("two adjacent free blocks not merged");
+          if (b->requested || !b->extra_streams.empty() || b->pending_events)
+            fail("free block carries allocation state");
+        } else {
+          live_seen++;
+          Block* const* found = live_.find(b->address);
+          if (!found || *found != b) fail("live block missing from the address map");
+          active += static_cast<std::int64_t>(b->size);
+          actives++;
+          if (b->state == BlockInfo::kAllocated) {
+            allocated += static_cast<std::int64_t>(b->size);
+            requested += static_cast<std::int64_t>(b->requested);
+            allocations++;
+            if (b->requested == 0 || b->requested > b->size) fail("requested size out of range");
+            if (b->pending_events) fail("allocated block has pending events");
+          } else if (b->pending_events == 0) {
+            fail("pending block without events");
+          }
+          if (region->paged && region->pages.count_unmapped(region->pages.touched(b->address, b->size)))
+            fail("live block on an unmapped page");
+        }
+        prev = b;
+      }
+      if (expect != region->base + region->size) fail("blocks do not cover their region");
+    }
+    if (free_in_arena != arena->free_blocks.size()) fail("free index holds blocks not in any region");
+    if (!arena->free_blocks.consistent()) fail("a free bin's or size class's list or bitmap is inconsistent");
+  }
+  if (live_seen != live_.size()) fail("address map holds blocks not in any region");
+  std::size_t pending_blocks = 0;
+  for (auto& p : pending_) pending_blocks += p.block->state == BlockInfo::kPending;
+  if (pending_blocks < static_cast<std::size_t>(actives - allocations)) fail("pending block lost");
+  const auto& s = stats_;
+  auto check = [&](const Stat& stat, std::int64_t truth, const char* name) {
+    if (stat.current != truth)
+      fail(std::string(name) + " is " + std::to_string(stat.current) + " but the blocks say " +
+           std::to_string(truth));
+    if (stat.peak < stat.current) fail(std::string(name) + " peak below current");
+  };
+  check(s.allocated_bytes[kAggregate], allocated, "allocated_bytes");
+  check(s.requested_bytes[kAggregate], requested, "requested_bytes");
+  check(s.active_bytes[kAggregate], active, "active_bytes");
+  check(s.reserved_bytes[kAggregate], reserved, "reserved_bytes");
+  if (own_budget_ && budget_->reserved() != static_cast<std::size_t>(reserved))
+    fail("the budget counts " + std::to_string(budget_->reserved()) + " reserved bytes but the regions hold " +
+         std::to_string(reserved));
+  check(s.allocation[kAggregate], allocations, "allocation count");
+  check(s.active[kAggregate], actives, "active count");
+  check(s.segment[kAggregate], segments, "segment count");
+  for (auto* a : {&s.allocated_bytes, &s.requested_bytes, &s.active_bytes, &s.reserved_bytes,
+                  &s.allocation, &s.active, &s.segment})
+    if ((*a)[kAggregate].current != (*a)[kSmallPool].current + (*a)[kLargePool].current)
+      fail("small + large pool stats do not add up to the aggregate");
+  (void)free_seen;
+}
+
+}  // namespace gpumem

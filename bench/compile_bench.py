@@ -52,25 +52,6 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- worker
 
 
-def tree_recordings(torch):
-    """CUDA graphs recorded by this device's cudagraph trees (private API: None if unreadable)."""
-    try:
-        from torch._inductor import cudagraph_trees as ct
-
-        mgr = ct.get_container(torch.cuda.current_device()).tree_manager
-        if mgr is None:
-            return 0
-        stack = [n for nodes in mgr.roots.values() for n in nodes]
-        count = 0
-        while stack:
-            node = stack.pop()
-            count += 1
-            stack.extend(c for kids in node.children.values() for c in kids)
-        return count
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def worker(args) -> int:
     if args.worker == "gpumem":
         os.environ.pop("GPUMEM_DISABLE", None)
@@ -87,7 +68,7 @@ def worker(args) -> int:
     import torch.nn.functional as F
 
     sys.path.insert(0, HERE)
-    from models import GPT
+    from models import GPT, cudagraph_tree_counts
 
     torch.cuda.init()
     backend = torch.cuda.memory.get_allocator_backend()
@@ -117,14 +98,14 @@ def worker(args) -> int:
         step(i)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - t0
-    recorded = tree_recordings(torch)
+    recorded = cudagraph_tree_counts(torch)[0]
     times = []
     for i in range(args.warmup, args.warmup + args.steps):
         t = time.perf_counter()
         loss = step(i)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
-    recorded_after = tree_recordings(torch)
+    recorded_after = cudagraph_tree_counts(torch)[0]
     print(json.dumps(dict(
         allocator=args.worker, backend=backend, torch=torch.__version__, device=torch.cuda.get_device_name(0),
         step_ms_median=statistics.median(times), step_ms_mean=statistics.fmean(times),

@@ -1,9 +1,10 @@
-"""What the GPU benchmarks and GPU tests train (torch only, no gpumem).
+"""What the GPU benchmarks and GPU tests train, and how they look into torch (torch only, no gpumem).
 
 GPT is the transformer language model of bench/workloads.py's varlen workload and of bench/soak.py
 (217M parameters at the defaults); bench/batch_size_bench.py uses those defaults, bench/compile_bench.py
 and tests/gpu/ smaller ones. resnet50() is the resnet workload's network (the layers and shapes of
-torchvision's ResNet-50, without needing torchvision).
+torchvision's ResNet-50, without needing torchvision). cudagraph_tree_counts() reads what
+torch.compile(mode="reduce-overhead") recorded (bench/compile_bench.py, tests/gpu/compile_scenario.py).
 """
 import torch.nn as nn
 
@@ -60,3 +61,22 @@ def resnet50(classes=1000, stages=((64, 3), (128, 4), (256, 6), (512, 3))):
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
     return nn.Sequential(*layers)
 
+
+def cudagraph_tree_counts(torch):
+    """(CUDA graphs recorded, checkpoint restores) of the current device's cudagraph trees: (0, 0)
+    before any, (None, None) where torch's private internals differ from what this reads."""
+    try:
+        from torch._inductor import cudagraph_trees as ct
+
+        mgr = ct.get_container(torch.cuda.current_device()).tree_manager
+        if mgr is None:
+            return 0, 0
+        stack = [n for nodes in mgr.roots.values() for n in nodes]
+        count = 0
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(c for kids in node.children.values() for c in kids)
+        return count, getattr(mgr, "debug_checkpointing_counter", None)
+    except Exception:  # noqa: BLE001  private API of another torch version
+        return None, None

@@ -107,6 +107,8 @@ def test_models(workloads):
     assert sum(p.numel() for p in net.parameters()) == 25_557_032  # torchvision's ResNet-50
     with torch.no_grad():
         assert net(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+    if not torch.cuda.is_available():
+        assert models.cudagraph_tree_counts(torch) == (None, None)
 
 
 def test_varlen_shapes_keep_the_token_budget(workloads):

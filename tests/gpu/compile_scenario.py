@@ -55,6 +55,7 @@ import sys
 import time
 import traceback
 
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")  # bench/models.py
 SCENARIOS = ["train_alternating", "train_cycling", "backward_only", "inference", "train_dynamic",
              "chained_inference", "train_chained"]
 D = 64          # model width
@@ -273,26 +274,6 @@ def run_scenario(torch, name, steps):
 # ----------------------------------------------------------------------------- measurements
 
 
-def tree_counts(torch):
-    """(recorded graphs, checkpoint restores) of this device's cudagraph tree manager; None where the
-    internals differ from what this reads (they are private)."""
-    try:
-        from torch._inductor import cudagraph_trees as ct
-
-        mgr = ct.get_container(torch.cuda.current_device()).tree_manager
-        if mgr is None:
-            return 0, 0
-        stack = [n for nodes in mgr.roots.values() for n in nodes]
-        count = 0
-        while stack:
-            node = stack.pop()
-            count += 1
-            stack.extend(c for kids in node.children.values() for c in kids)
-        return count, getattr(mgr, "debug_checkpointing_counter", None)
-    except Exception:  # noqa: BLE001  private API of another torch version
-        return None, None
-
-
 def settled_allocated(torch):
     gc.collect()
     torch.cuda.synchronize()
@@ -314,6 +295,9 @@ def main(argv=None) -> int:
     print("ALLOCATOR " + json.dumps(info), flush=True)
     from torch._dynamo.utils import counters
 
+    sys.path.insert(0, BENCH)
+    from models import cudagraph_tree_counts  # imports torch.nn: after setup chose the allocator
+
     for name in args.only:
         counters.clear()
         before = settled_allocated(torch)
@@ -324,7 +308,7 @@ def main(argv=None) -> int:
             row.update(values=values, sizes=sizes)
         except Exception:  # noqa: BLE001  reported; the next scenario still runs
             row["error"] = traceback.format_exc()
-        row["recorded_graphs"], row["checkpoint_restores"] = tree_counts(torch)
+        row["recorded_graphs"], row["checkpoint_restores"] = cudagraph_tree_counts(torch)
         row["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0))
         row["unique_graphs"] = int(counters["stats"].get("unique_graphs", 0))
         try:

@@ -2,6 +2,7 @@
 //   # workload <name> ... peak_live_bytes <n> ...
 //   a <id> <bytes> <stream>
 //   f <id>
+// Parsing is in trace_parse.cpp, replay in trace_replay.cpp.
 #pragma once
 
 #include <cstdint>

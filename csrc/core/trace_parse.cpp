@@ -1,3 +1,5 @@
+// Reading an allocation trace (trace.hpp: the format) into a Trace: plain text or gzip, one operation a
+// line, every malformed line refused as "<path>:<line>: <what is wrong>". Replay is trace_replay.cpp.
 #include "trace.hpp"
 
 #if GPUMEM_WITH_ZLIB
@@ -14,10 +16,12 @@ static int gzclose(gzFile f) { return std::fclose(f); }
 static const char* gzerror(gzFile f, int* err) { *err = std::ferror(f) ? -1 : Z_OK; return "read error"; }
 #endif
 
-#include <chrono>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace gpumem {
 
@@ -121,50 +125,6 @@ Trace load_trace(const std::string& path) {
   gzclose(file);
   if (trace.ops.empty()) throw InvalidArgument(path + ": no allocations in the trace");
   return trace;
-}
-
-ReplayResult replay(const Trace& trace, Pool& pool,
-                    const std::function<void(std::size_t, std::size_t)>& progress) {
-  ReplayResult r;
-  std::vector<std::uintptr_t> address(trace.allocations, 0);
-  std::vector<std::uint64_t> size(trace.allocations, 0);
-  std::uint64_t live = 0;
-  const auto before = pool.stats();
-  std::chrono::nanoseconds in_pool{0};
-  const std::size_t chunk = 4096;  // ops between progress calls and clock reads
-  for (std::size_t start = 0; start < trace.ops.size(); start += chunk) {
-    const std::size_t end = std::min(trace.ops.size(), start + chunk);
-    auto t0 = std::chrono::steady_clock::now();
-    for (std::size_t i = start; i < end; ++i) {
-      const TraceOp& op = trace.ops[i];
-      if (op.is_alloc) {
-        r.allocations++;
-        try {
-          address[op.slot] = pool.allocate(op.bytes, op.stream);
-          size[op.slot] = op.bytes;
-          live += op.bytes;
-          r.peak_live = std::max(r.peak_live, live);
-        } catch (const OutOfMemoryError& e) {
-          if (r.ooms++ == 0) r.first_oom = "operation " + std::to_string(i + 1) + ": " + e.what();
-        }
-      } else if (address[op.slot] || size[op.slot]) {
-        r.frees++;
-        pool.free(address[op.slot]);
-        live -= size[op.slot];
-        address[op.slot] = 0;
-        size[op.slot] = 0;
-      }
-    }
-    in_pool += std::chrono::steady_clock::now() - t0;
-    if (progress) progress(end, trace.ops.size());
-  }
-  const auto after = pool.stats();
-  r.peak_reserved = static_cast<std::uint64_t>(after.reserved_bytes[kAggregate].peak);
-  r.upstream_calls = static_cast<std::uint64_t>(after.num_device_alloc + after.num_device_free -
-                                                before.num_device_alloc - before.num_device_free);
-  r.fragmentation = r.peak_live ? static_cast<double>(r.peak_reserved) / static_cast<double>(r.peak_live) : 0;
-  r.ns_per_pair = r.allocations ? static_cast<double>(in_pool.count()) / static_cast<double>(r.allocations) : 0;
-  return r;
 }
 
 }  // namespace gpumem

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
 import pytest
+from _run import clean_env, finish, start
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -60,22 +60,15 @@ def allowed_difference(native_a, native_b):
 
 
 def _start(allocator, cache_dir):
-    env = dict(os.environ)
-    env.pop("GPUMEM_CONF", None)
-    env.pop("GPUMEM_DISABLE", None)
-    env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", TORCHINDUCTOR_DETERMINISTIC="1",
-               TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONHASHSEED="0")
-    cmd = [sys.executable, SCRIPT, "--allocator", allocator, "--steps", str(STEPS)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    env = clean_env(CUBLAS_WORKSPACE_CONFIG=":4096:8", TORCHINDUCTOR_DETERMINISTIC="1",
+                    TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONHASHSEED="0")
+    return start([sys.executable, SCRIPT, "--allocator", allocator, "--steps", str(STEPS)], env)
 
 
 def _finish(proc, deadline):
-    try:
-        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the run's own process group (inductor's compile workers too)
-        out, err = proc.communicate()
+    # on timeout the run's whole process group is killed (inductor's compile workers too)
+    out, err, timed_out = finish(proc, max(1.0, deadline - time.monotonic()))
+    if timed_out:
         err += f"\n[test] killed after {RUN_TIMEOUT} s"
     header, rows = None, {}
     for line in out.splitlines():

@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import pytest
+from _run import clean_env, finish, start
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -57,20 +56,10 @@ class Run:
 
 
 def run(allocator: str, scenario: str, timeout: float = 300) -> Run:
-    env = dict(os.environ)
-    env.pop("GPUMEM_CONF", None)
-    env.pop("GPUMEM_DISABLE", None)
-    env["GPUMEM_DROPIN_ALLOCATOR"] = allocator
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, SCRIPT, scenario], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # the scenario's own process group (spawned children too)
-        out, err = proc.communicate()
+    proc = start([sys.executable, SCRIPT, scenario], clean_env(GPUMEM_DROPIN_ALLOCATOR=allocator))
+    # on timeout the scenario's whole process group is killed (spawned children too)
+    out, err, timed_out = finish(proc, timeout)
     r = Run(allocator, scenario, proc.returncode, out, err, time.monotonic() - t0, timed_out)
     for line in out.splitlines():
         if line.startswith("FACTS "):

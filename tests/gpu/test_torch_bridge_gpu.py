@@ -1,11 +1,11 @@
 """gpumem as PyTorch's CUDA allocator, on a GPU. Each test runs a fresh Python process, because
 gpumem must be registered before CUDA starts. Run: pytest -m gpu tests/gpu/test_torch_bridge_gpu.py"""
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from _run import clean_env
 
 PRELUDE = """
 import gc, os, sys, pickle, tempfile
@@ -18,10 +18,7 @@ dev = torch.device("cuda")
 
 
 def run(body, env=None, prelude=PRELUDE, timeout=540):
-    full = dict(os.environ)
-    full.pop("GPUMEM_DISABLE", None)
-    full.pop("GPUMEM_CONF", None)
-    full.update(env or {})
+    full = clean_env(**(env or {}))
     code = textwrap.dedent(prelude) + textwrap.dedent(body) + "\nprint('DONE')\n"
     r = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
                        timeout=timeout)
@@ -249,8 +246,7 @@ def test_disable_leaves_torch_allocator():
 
 @pytest.mark.gpu
 def test_bad_conf_raises_at_import():
-    full = dict(os.environ, GPUMEM_CONF="cap:banana")
-    full.pop("GPUMEM_DISABLE", None)
+    full = clean_env(GPUMEM_CONF="cap:banana")
     r = subprocess.run([sys.executable, "-c", "import gpumem"], env=full, capture_output=True, text=True)
     assert r.returncode != 0 and "cap" in r.stderr.splitlines()[-1]
 

@@ -1,0 +1,32 @@
+"""How the GPU tests start a Python child process: without the environment's gpumem settings (each test
+sets the ones it means), and, for children that start children of their own (inductor's compile workers,
+spawned processes), in a process group of their own, killed whole when it runs out of time."""
+import os
+import signal
+import subprocess
+
+GPUMEM_SETTINGS = ("GPUMEM_CONF", "GPUMEM_DISABLE")
+
+
+def clean_env(**extra):
+    """os.environ without GPUMEM_CONF and GPUMEM_DISABLE, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in GPUMEM_SETTINGS}
+    env.update(extra)
+    return env
+
+
+def start(cmd, env):
+    """The child in a new session (its own process group), stdout and stderr captured as text."""
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout):
+    """(stdout, stderr, timed_out): waits up to `timeout` seconds, then kills the child's process group."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return out, err, False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return out, err, True

@@ -12,52 +12,22 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ipython_shell import make_shell, run, session  # noqa: E402  tests/ipython_shell.py
+
 from gpumem.cleanup import CleanupReport, cleanup  # noqa: E402
 
 MiB = 1 << 20
 
 
-def _clear_last():
-    for a in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, a):
-            try:
-                delattr(sys, a)
-            except Exception:
-                pass
-
-
 @pytest.fixture(scope="module")
 def shell_instance():
     pytest.importorskip("IPython")
-    from traitlets.config import Config
-    from IPython.core.interactiveshell import InteractiveShell
-
-    c = Config()
-    c.HistoryManager.hist_file = ":memory:"
-    return InteractiveShell.instance(config=c)
+    return make_shell()
 
 
 @pytest.fixture
 def shell(shell_instance):
-    sh = shell_instance
-    sh.reset(new_session=False)
-    _clear_last()
-    r = sh.run_cell("import torch, weakref\nfrom gpumem.cleanup import cleanup")
-    assert r.success, r
-    yield sh
-    em = sh.extension_manager
-    if "gpumem.ipython_ext" in getattr(em, "loaded", ()):
-        em.unload_extension("gpumem.ipython_ext")
-    sh.reset(new_session=False)
-    _clear_last()
-    gc.collect()
-
-
-def run(sh, code, ok=True):
-    r = sh.run_cell(code, store_history=True)
-    if ok:
-        assert r.success, (r.error_before_exec, r.error_in_exec)
-    return r
+    yield from session(shell_instance, "import torch, weakref\nfrom gpumem.cleanup import cleanup")
 
 
 FAIL_CELL = """

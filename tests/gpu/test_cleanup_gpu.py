@@ -1,11 +1,10 @@
 """GPU tests of gpumem.cleanup and the extension on CUDA tensors, in a real IPython shell."""
-import gc
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("IPython")
+
+from ipython_shell import make_shell, run, session  # noqa: E402  tests/ipython_shell.py
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 MiB = 1 << 20
@@ -13,31 +12,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def shell():
-    from traitlets.config import Config
-    from IPython.core.interactiveshell import InteractiveShell
-
-    c = Config()
-    c.HistoryManager.hist_file = ":memory:"
-    sh = InteractiveShell.instance(config=c)
-    sh.reset(new_session=False)
-    r = sh.run_cell("import torch, weakref, gpumem\nfrom gpumem.cleanup import cleanup")
-    assert r.success, r.error_in_exec
-    yield sh
-    if "gpumem.ipython_ext" in getattr(sh.extension_manager, "loaded", ()):
-        sh.extension_manager.unload_extension("gpumem.ipython_ext")
-    sh.reset(new_session=False)
-    for a in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, a):
-            delattr(sys, a)
-    gc.collect()
+    yield from session(make_shell(), "import torch, weakref, gpumem\nfrom gpumem.cleanup import cleanup")
     torch.cuda.empty_cache()
-
-
-def run(sh, code, ok=True):
-    r = sh.run_cell(code, store_history=True)
-    if ok:
-        assert r.success, (r.error_before_exec, r.error_in_exec)
-    return r
 
 
 MODEL = """

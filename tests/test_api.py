@@ -65,6 +65,8 @@ def test_is_oom_error_recognises_every_kind():
     oom = gpumem.is_oom_error
     assert oom(core_oom())                                                   # direct Pool use
     assert oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert oom(torch.cuda.OutOfMemoryError("x"))                             # the type, whatever it says
+    assert oom(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
     assert oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
     assert oom(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert oom(RuntimeError("CUDA error: out of memory"))

@@ -294,23 +294,6 @@ def test_extension_magics(shell, capsys):
     shell.extension_manager.unload_extension("gpumem.ipython_ext")
     assert "gpumem" not in shell.magics_manager.magics["line"]
 
-
-def test_is_oom():
-    from gpumem.ipython_ext import is_oom
-
-    assert is_oom(torch.cuda.OutOfMemoryError("x"))
-    assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
-    try:
-        try:
-            raise torch.cuda.OutOfMemoryError("inner")
-        except Exception as e:
-            raise ValueError("wrapped") from e
-    except ValueError as e:
-        assert is_oom(e)
-    assert not is_oom(ValueError("nope"))
-    assert not is_oom(None)
-
-
 def test_tensor_kept_only_by_autograd_is_unexplained(shell):
     run(shell, """
 a = torch.randn(1024 * 1024, requires_grad=True)

@@ -1,5 +1,8 @@
 """What a correct pool must agree with, shared by the pool tests (tests/test_pool*.py): live blocks,
-their sizes, nothing overlapping, nothing leaking, reserved never past the cap."""
+their sizes, nothing overlapping, nothing leaking, reserved never past the cap; and how they run
+operations on several threads at once."""
+import threading
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -37,6 +40,26 @@ class Model:
             assert a + n <= b, "live blocks overlap"
         for a, _ in spans:
             assert a % 512 == 0
+
+
+def run_threads(work, n=4, timeout=120, hang="a thread did not finish"):
+    """work(i) for i in range(n), each on its own thread, all at once. Fails with the exceptions the
+    threads raised, or with `hang` when one is still running after `timeout` seconds (a deadlock)."""
+    errors = []
+
+    def guarded(i):
+        try:
+            work(i)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), hang
+    assert not errors, errors
 
 
 def random_size(rng):

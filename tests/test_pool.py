@@ -6,7 +6,7 @@ import random
 import pytest
 
 from gpumem import _C
-from pool_model import GiB, MiB, Model, flat, random_size
+from pool_model import GiB, MiB, Model, flat, random_size, run_threads
 
 
 @pytest.mark.parametrize("kind", ["vmm", "segments"])
@@ -267,32 +267,21 @@ def test_snapshot_lists_regions_and_blocks():
 
 
 def test_pool_is_thread_safe():
-    import threading
-
     device = _C.SimulatedDevice("vmm", 8 * GiB)
     pool = _C.Pool(device)
-    errors = []
 
     def work(seed):
         rng = random.Random(seed)
         mine = []
-        try:
-            for _ in range(3000):
-                if mine and rng.random() < 0.5:
-                    pool.free(mine.pop(rng.randrange(len(mine))))
-                else:
-                    mine.append(pool.allocate(rng.randint(1, 4 * MiB), seed % 3))
-            for p in mine:
-                pool.free(p)
-        except Exception as e:  # reported below
-            errors.append(e)
+        for _ in range(3000):
+            if mine and rng.random() < 0.5:
+                pool.free(mine.pop(rng.randrange(len(mine))))
+            else:
+                mine.append(pool.allocate(rng.randint(1, 4 * MiB), seed % 3))
+        for p in mine:
+            pool.free(p)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_threads(work)
     pool.validate()
     assert flat(pool.stats(), "allocated_bytes") == 0
 

@@ -140,14 +140,19 @@ def _capture_outputs(x, pool=None):
     return g, outs
 
 
+def _captured():
+    """x, and a graph of _capture_outputs(x) in a private pool of its own: (x, g, outs, pool)."""
+    x = torch.arange(4096, dtype=torch.float32, device="cuda")
+    warm(x)
+    g, outs = _capture_outputs(x)
+    return x, g, outs, tuple(g.pool())
+
+
 def scenario_checkpoint_restore():
     """getCheckpointState / setCheckpointPoolState / raw_delete / checkPoolLiveAllocations as
     cudagraph trees use them when it re-records a path."""
     start()
-    x = torch.arange(4096, dtype=torch.float32, device="cuda")
-    warm(x)
-    g, outs = _capture_outputs(x)
-    pool = tuple(g.pool())
+    x, g, outs, pool = _captured()
     ptrs = [o.data_ptr() for o in outs]
     assert live_check(pool, ptrs), "checkPoolLiveAllocations: the graph's outputs are the pool's live blocks"
     assert not live_check(pool, ptrs[:-1]), "checkPoolLiveAllocations must see a missing pointer"
@@ -186,10 +191,7 @@ def scenario_checkpoint_frees_later_blocks():
     """A block allocated in the pool after the checkpoint (a second graph recorded into the same pool)
     is freed by the restore; its tensor, passed as a stale storage, no longer frees it when it dies."""
     start()
-    x = torch.arange(4096, dtype=torch.float32, device="cuda")
-    warm(x)
-    g, outs = _capture_outputs(x)
-    pool = tuple(g.pool())
+    x, g, outs, pool = _captured()
     ptrs = [o.data_ptr() for o in outs]
     state = torch._C._cuda_getCheckpointState(DEV, pool)
     before = pool_blocks(pool)
@@ -642,10 +644,7 @@ def nocrash_alloc_zero():
 
 def nocrash_checkpoint_of_released_pool():
     start()
-    x = torch.arange(4096, dtype=torch.float32, device="cuda")
-    warm(x)
-    g, outs = _capture_outputs(x)
-    pool = tuple(g.pool())
+    x, g, outs, pool = _captured()
     state = torch._C._cuda_getCheckpointState(DEV, pool)
     del outs, g  # the pool goes away
     gc.collect()

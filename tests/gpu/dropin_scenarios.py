@@ -10,83 +10,19 @@ allocator (a failed check raises AssertionError: exit status 1) and prints ``FAC
 observed, for the test to compare gpumem's observations with PyTorch's), then ``ALIVE``.
 ``nocrash_*`` scenarios catch every exception of the call they try and record its type.
 """
-from __future__ import annotations
-
-import faulthandler
 import gc
 import json
 import os
 import random
 import re
 import sys
-import threading
-import time
 import traceback
 
-faulthandler.enable()  # a crash prints the Python line it happened on (stderr)
-ALLOCATOR = os.environ.get("GPUMEM_DROPIN_ALLOCATOR", "gpumem")
-if ALLOCATOR == "gpumem":
-    os.environ.pop("GPUMEM_DISABLE", None)
-    import gpumem  # noqa: F401  first: gpumem becomes torch's CUDA allocator before CUDA starts
-    import gpumem._torch as _gt
-else:
-    os.environ["GPUMEM_DISABLE"] = "1"  # in case anything imports gpumem
-    _gt = None
-import torch  # noqa: E402
-
-MiB = 1 << 20
-GiB = 1 << 30
-DEV = 0
-FACTS: dict = {}
-GPUMEM = ALLOCATOR == "gpumem"
-
-
-def start():
-    """Start CUDA and check that the allocator is the one claimed."""
-    torch.cuda.init()
-    FACTS["backend"] = torch.cuda.memory.get_allocator_backend()
-    if GPUMEM:
-        assert _gt.is_active(), _gt.status_line()
-        assert FACTS["backend"] != "native", FACTS["backend"]
-    else:
-        assert FACTS["backend"] == "native", FACTS["backend"]
-
-
-def std_deleter(t) -> bool:
-    """Whether the tensor's storage deleter is the current allocator's raw_deleter (what cudagraph
-    trees assert for the storages it hands back deleters to)."""
-    return bool(torch._C._has_Standard_Deleter(t.untyped_storage()._cdata))
-
-
-def warm(x):
-    """Run a kernel once outside capture (lazy module loading must not happen inside a capture)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        (x * 2 + 1).sum()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-
-
-def pool_blocks(pool, state="active_allocated"):
-    """{address: size} of the blocks of the given state in the segments of a private pool."""
-    out = {}
-    for seg in torch.cuda.memory_snapshot():
-        if tuple(seg.get("segment_pool_id", (0, 0))) != tuple(pool):
-            continue
-        for b in seg["blocks"]:
-            if b["state"] == state:
-                out[b["address"]] = b["size"]
-    return out
-
-
-def live_check(pool, ptrs) -> bool:
-    return bool(torch._C._cuda_checkPoolLiveAllocations(DEV, tuple(pool), set(ptrs)))
-
-
-def exc_name(e: BaseException) -> str:
-    return type(e).__name__
-
+from dropin_common import (  # noqa: E402  (the allocator is chosen there, before torch starts)
+    MiB, DEV, FACTS, GPUMEM, start, std_deleter, warm, pool_blocks, live_check, exc_name, torch,
+    _captured,
+)
+from dropin_process import NOCRASH, _usable, scenario_ipc  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- storage deleters
 
@@ -129,23 +65,6 @@ def scenario_deleters():
 
 
 # ----------------------------------------------------------------------------- checkpoints
-
-
-def _capture_outputs(x, pool=None):
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        outs = [x * 2, x + 1, torch.empty(3 * MiB, dtype=torch.uint8, device="cuda"),
-                (x * 3).repeat(1024)]  # 16 MiB
-    torch.cuda.synchronize()
-    return g, outs
-
-
-def _captured():
-    """x, and a graph of _capture_outputs(x) in a private pool of its own: (x, g, outs, pool)."""
-    x = torch.arange(4096, dtype=torch.float32, device="cuda")
-    warm(x)
-    g, outs = _capture_outputs(x)
-    return x, g, outs, tuple(g.pool())
 
 
 def scenario_checkpoint_restore():
@@ -486,213 +405,7 @@ def scenario_segments():
     del mp
 
 
-# ----------------------------------------------------------------------------- CUDA IPC
 
-IPC_N = 1000
-IPC_SUM = float(IPC_N * (IPC_N - 1) // 2)
-IPC_WAIT = 20.0  # seconds per case for the child's answer
-
-
-def _ipc_child_args(t, results):
-    try:
-        results.put(("ok", float(t.sum().item())))
-    except Exception as e:  # noqa: BLE001
-        results.put(("error", f"{exc_name(e)}: {e}"))
-
-
-def _ipc_child_queue(q, results):
-    try:
-        t = q.get(timeout=IPC_WAIT + 5)
-        results.put(("ok", float(t.sum().item())))
-        del t
-    except Exception as e:  # noqa: BLE001
-        results.put(("error", f"{exc_name(e)}: {e}"))
-
-
-def _ipc_outcome(results, t0, feeder_errors=()):
-    """Wait for the child's answer, or for a pickling error of the queue's feeder thread (the sender's
-    error when sending through a Queue), and describe what happened."""
-    deadline = t0 + IPC_WAIT
-    while time.monotonic() < deadline:
-        if feeder_errors:
-            return dict(outcome="sender_error", seconds=round(time.monotonic() - t0, 2), message=feeder_errors[0])
-        try:
-            kind, value = results.get(timeout=0.2)
-        except Exception:  # noqa: BLE001  queue.Empty
-            continue
-        if kind == "ok":
-            return dict(outcome="received", value=value, seconds=round(time.monotonic() - t0, 2))
-        return dict(outcome="child_error", message=value, seconds=round(time.monotonic() - t0, 2))
-    return dict(outcome="hang", seconds=round(time.monotonic() - t0, 2))
-
-
-def _stop(p):
-    if p is not None and p.pid is not None:
-        p.join(2)
-        if p.is_alive():
-            p.terminate()
-            p.join(2)
-
-
-def scenario_ipc():
-    """A CUDA tensor sent to a spawned child, as a Process argument and through a Queue. Each case
-    either arrives with the right values or fails on the sender's side; it must never hang."""
-    import torch.multiprocessing as tmp
-
-    start()
-    ctx = tmp.get_context("spawn")
-    t = torch.arange(IPC_N, dtype=torch.float32, device="cuda")
-    torch.cuda.synchronize()
-    result = {}
-
-    # 1: the tensor as an argument of the child (pickled by Process.start())
-    results = ctx.Queue()
-    p = None
-    t0 = time.monotonic()
-    try:
-        p = ctx.Process(target=_ipc_child_args, args=(t, results))
-        p.start()
-        result["process_args"] = _ipc_outcome(results, t0)
-    except Exception as e:  # noqa: BLE001
-        result["process_args"] = dict(outcome="sender_error", seconds=round(time.monotonic() - t0, 2),
-                                      message=f"{exc_name(e)}: {e}")
-    _stop(p)
-
-    # 2: through a Queue: put() hands the tensor to a feeder thread, which pickles it; a pickling error
-    # there never reaches put()'s caller, so the queue's error hook reports it here
-    q, results = ctx.Queue(), ctx.Queue()
-    feeder_errors: list = []
-    q._on_queue_feeder_error = lambda e, obj: feeder_errors.append(f"{exc_name(e)}: {e}")
-    p = ctx.Process(target=_ipc_child_queue, args=(q, results))
-    p.start()
-    t0 = time.monotonic()
-    try:
-        q.put(t)
-        result["queue"] = _ipc_outcome(results, t0, feeder_errors)
-    except Exception as e:  # noqa: BLE001
-        result["queue"] = dict(outcome="sender_error", seconds=round(time.monotonic() - t0, 2),
-                               message=f"{exc_name(e)}: {e}")
-    _stop(p)
-    FACTS["ipc"] = result
-    torch.cuda.synchronize()
-
-
-# ----------------------------------------------------------------------------- calls that must not kill
-
-
-def _try(name, call):
-    try:
-        r = call()
-        FACTS[name] = dict(result="ok", value=repr(r)[:200])
-    except Exception as e:  # noqa: BLE001  an exception is fine; dying is not
-        FACTS[name] = dict(result=exc_name(e), message=str(e)[:500])
-
-
-def _usable():
-    try:
-        t = torch.ones(MiB, device="cuda")
-        FACTS["usable_after"] = float(t.sum().item()) == MiB
-    except Exception as e:  # noqa: BLE001
-        FACTS["usable_after"] = False
-        FACTS["usable_after_error"] = f"{exc_name(e)}: {str(e)[:300]}"
-
-
-def nocrash_fraction_zero_then_allocate():
-    start()
-    torch.cuda.set_per_process_memory_fraction(0.0)
-    _try("allocate", lambda: torch.empty(MiB, device="cuda"))
-    torch.cuda.set_per_process_memory_fraction(1.0)
-
-
-def nocrash_fraction_nan_then_allocate():
-    start()
-    _try("set_nan", lambda: torch.cuda.set_per_process_memory_fraction(float("nan")))
-    _try("get", lambda: torch.cuda.get_per_process_memory_fraction())
-    _try("allocate", lambda: float(torch.ones(MiB, device="cuda").sum()))
-    torch.cuda.set_per_process_memory_fraction(1.0)
-
-
-def nocrash_delete_foreign_pointer():
-    start()
-    keep = torch.ones(MiB, device="cuda")
-    _try("delete", lambda: torch.cuda.caching_allocator_delete(12345))
-    assert float(keep.sum()) == MiB
-
-
-def nocrash_delete_interior_pointer():
-    start()
-    t = torch.ones(MiB, device="cuda")
-    _try("delete", lambda: torch.cuda.caching_allocator_delete(t.data_ptr() + 512))
-    t.fill_(2.0)
-    assert float(t.sum()) == 2 * MiB
-
-
-def nocrash_double_delete():
-    start()
-    p = torch.cuda.caching_allocator_alloc(MiB)
-    torch.cuda.caching_allocator_delete(p)
-    _try("second_delete", lambda: torch.cuda.caching_allocator_delete(p))
-
-
-def nocrash_alloc_zero():
-    start()
-    _try("alloc_zero", lambda: torch.cuda.memory.caching_allocator_alloc(0))
-    if FACTS["alloc_zero"]["result"] == "ok":
-        p = int(FACTS["alloc_zero"]["value"])
-        _try("delete_zero", lambda: torch.cuda.caching_allocator_delete(p))
-
-
-def nocrash_checkpoint_of_released_pool():
-    start()
-    x, g, outs, pool = _captured()
-    state = torch._C._cuda_getCheckpointState(DEV, pool)
-    del outs, g  # the pool goes away
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    g2, outs2 = _capture_outputs(x)  # another pool
-    _try("restore", lambda: torch._C._cuda_setCheckpointPoolState(DEV, state, [], []))
-    del outs2, g2
-
-
-def nocrash_checkpoint_bad_state():
-    start()
-    _try("restore_none", lambda: torch._C._cuda_setCheckpointPoolState(DEV, None, [], []))
-    _try("checkpoint_unknown_pool", lambda: torch._C._cuda_getCheckpointState(DEV, (987654, 321)))
-    _try("live_unknown_pool", lambda: torch._C._cuda_checkPoolLiveAllocations(DEV, (987654, 321), set()))
-
-
-def nocrash_history_unknown_skip_action():
-    start()
-    _try("record", lambda: torch.cuda.memory._record_memory_history(
-        "all", context="all", stacks="python", skip_actions=["no_such_action"]))
-    t = torch.ones(MiB, device="cuda")
-    del t
-    _try("snapshot", lambda: len(torch.cuda.memory._snapshot()["device_traces"]))
-    _try("stop", lambda: torch.cuda.memory._record_memory_history(None))
-
-
-def nocrash_empty_cache_during_capture():
-    start()
-    x = torch.arange(4096, dtype=torch.float32, device="cuda")
-    warm(x)
-    junk = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
-    del junk  # something cached to release
-
-    def capture():
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = x * 2
-            torch.cuda.empty_cache()
-            z = y + 1
-        g.replay()
-        torch.cuda.synchronize()
-        return bool(torch.equal(z, x * 2 + 1))
-
-    _try("capture", capture)
-
-
-NOCRASH = {name[len("nocrash_"):]: fn for name, fn in list(globals().items()) if name.startswith("nocrash_")}
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in list(globals().items()) if name.startswith("scenario_")}
 
 
@@ -717,3 +430,4 @@ def main(argv) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

@@ -53,10 +53,9 @@ ReleasePolicy parse_release(const std::string& release) {
 
 py::dict stat_dict(const Stat& s) {
   py::dict d;
-  d["current"] = s.current;
-  d["peak"] = s.peak;
-  d["allocated"] = s.allocated;
-  d["freed"] = s.freed;
+#define GPUMEM_PY_FIELD(f) d[#f] = s.f;
+  GPUMEM_STAT_FIELDS(GPUMEM_PY_FIELD)
+#undef GPUMEM_PY_FIELD
   return d;
 }
 

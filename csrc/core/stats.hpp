@@ -8,6 +8,10 @@
 
 namespace gpumem {
 
+// The fields of one Stat, in torch's order and with torch's names ("allocated_bytes.all.current"):
+// converters walk them with GPUMEM_STAT_FIELDS(F), F(name) for each.
+#define GPUMEM_STAT_FIELDS(F) F(current) F(peak) F(allocated) F(freed)
+
 struct Stat {
   std::int64_t current = 0;
   std::int64_t peak = 0;
@@ -26,10 +30,9 @@ struct Stat {
   void reset_peak() { peak = current; }
   void reset_accumulated() { allocated = 0; freed = 0; }
   void merge(const Stat& o) {
-    current += o.current;
-    peak += o.peak;
-    allocated += o.allocated;
-    freed += o.freed;
+#define GPUMEM_ADD_FIELD(f) f += o.f;
+    GPUMEM_STAT_FIELDS(GPUMEM_ADD_FIELD)
+#undef GPUMEM_ADD_FIELD
   }
 };
 

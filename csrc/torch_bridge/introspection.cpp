@@ -19,10 +19,9 @@ namespace {
 using Action = CCA::TraceEntry::Action;
 
 void to_c10(c10::CachingAllocator::Stat& to, const Stat& from) {
-  to.current = from.current;
-  to.peak = from.peak;
-  to.allocated = from.allocated;
-  to.freed = from.freed;
+#define GPUMEM_C10_FIELD(f) to.f = from.f;
+  GPUMEM_STAT_FIELDS(GPUMEM_C10_FIELD)
+#undef GPUMEM_C10_FIELD
 }
 
 // gpumem's statistics as torch's: the same members (core/stats.hpp's schema), copied one by one.

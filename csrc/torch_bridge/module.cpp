@@ -22,10 +22,9 @@ namespace {
 py::dict flat_stats(const gpumem::DeviceStats& s) {
   py::dict out;
   auto add_stat = [&](const std::string& prefix, const gpumem::Stat& st) {
-    out[py::str(prefix + "current")] = st.current;
-    out[py::str(prefix + "peak")] = st.peak;
-    out[py::str(prefix + "allocated")] = st.allocated;
-    out[py::str(prefix + "freed")] = st.freed;
+#define GPUMEM_FLAT_FIELD(f) out[py::str(prefix + #f)] = st.f;
+    GPUMEM_STAT_FIELDS(GPUMEM_FLAT_FIELD)
+#undef GPUMEM_FLAT_FIELD
   };
 #define GPUMEM_FLAT_ARRAY(name)                                      \
   for (int t = 0; t < gpumem::kNumStatTypes; ++t)                    \

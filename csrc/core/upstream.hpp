@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -51,6 +53,44 @@ class Upstream {
   virtual void destroy_event(EventId event) = 0;
   // Waits for all work queued on `stream`; called before memory used there goes back to the device.
   virtual void synchronize(StreamId stream) = 0;
+};
+
+// An upstream that hands every call to another one: the base of upstreams that change one or two
+// calls (the torch bridge's MemPool allocators, the tests' fault-injecting and checking devices).
+class ForwardingUpstream : public Upstream {
+ public:
+  explicit ForwardingUpstream(std::shared_ptr<Upstream> inner) : inner_(std::move(inner)) {}
+
+  UpstreamKind kind() const override { return inner_->kind(); }
+  std::string name() const override { return inner_->name(); }
+  std::size_t page_size() const override { return inner_->page_size(); }
+  std::size_t device_total_bytes() const override { return inner_->device_total_bytes(); }
+  std::size_t device_free_bytes() const override { return inner_->device_free_bytes(); }
+  std::uintptr_t allocate_segment(std::size_t bytes) override { return inner_->allocate_segment(bytes); }
+  void free_segment(std::uintptr_t address, std::size_t bytes) override { inner_->free_segment(address, bytes); }
+  std::uintptr_t reserve_address_range(std::size_t bytes) override { return inner_->reserve_address_range(bytes); }
+  void release_address_range(std::uintptr_t address, std::size_t bytes) override {
+    inner_->release_address_range(address, bytes);
+  }
+  bool map(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
+    return inner_->map(address, bytes, page);
+  }
+  void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
+    inner_->unmap(address, bytes, page);
+  }
+  std::vector<int> export_pages(std::uintptr_t address, std::size_t count, std::size_t page) override {
+    return inner_->export_pages(address, count, page);
+  }
+  EventId record_event(StreamId stream) override { return inner_->record_event(stream); }
+  bool event_completed(EventId event) override { return inner_->event_completed(event); }
+  void destroy_event(EventId event) override { inner_->destroy_event(event); }
+  void synchronize(StreamId stream) override { inner_->synchronize(stream); }
+
+ protected:
+  Upstream& inner() { return *inner_; }
+
+ private:
+  std::shared_ptr<Upstream> inner_;
 };
 
 }  // namespace gpumem

@@ -11,17 +11,14 @@ namespace gpumem::torch_bridge {
 
 namespace {
 
-class ExternalUpstream final : public Upstream {
+class ExternalUpstream final : public ForwardingUpstream {
  public:
   ExternalUpstream(std::shared_ptr<Upstream> device_upstream,
                    std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator, int device)
-      : device_(std::move(device_upstream)), allocator_(std::move(allocator)), index_(device) {}
+      : ForwardingUpstream(std::move(device_upstream)), allocator_(std::move(allocator)), index_(device) {}
 
   UpstreamKind kind() const override { return UpstreamKind::kSegments; }
   std::string name() const override { return "external(" + allocator_->name() + ")"; }
-  std::size_t page_size() const override { return device_->page_size(); }
-  std::size_t device_total_bytes() const override { return device_->device_total_bytes(); }
-  std::size_t device_free_bytes() const override { return device_->device_free_bytes(); }
 
   // The other allocator's out-of-memory (an exception or null) is the upstream's "no room" (0).
   std::uintptr_t allocate_segment(std::size_t bytes) override {
@@ -38,13 +35,7 @@ class ExternalUpstream final : public Upstream {
     allocator_->raw_delete(reinterpret_cast<void*>(address));
   }
 
-  EventId record_event(StreamId stream) override { return device_->record_event(stream); }
-  bool event_completed(EventId event) override { return device_->event_completed(event); }
-  void destroy_event(EventId event) override { device_->destroy_event(event); }
-  void synchronize(StreamId stream) override { device_->synchronize(stream); }
-
  private:
-  std::shared_ptr<Upstream> device_;
   std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator_;
   int index_;
 };

@@ -1,10 +1,13 @@
-"""Command line: ``python -m gpumem replay [TRACE ...]`` and ``python -m gpumem status [--watch]``."""
+"""Command line (``python -m gpumem`` or the ``gpumem`` script): ``replay [TRACE ...]`` replays allocation
+traces through the pool on a simulated device; ``status [--watch [SECONDS]] [--json]`` shows every GPU's
+memory and processes."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from . import _C
+from . import _C, status
 from ._format import fmt_in
 from .replay import bundled_traces, print_progress, reference_ratios, replay
 
@@ -61,29 +64,58 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from . import status
-
-    return status.main(args.rest)
+    return status.run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpumem", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("replay", help="replay allocation traces through the pool on a simulated device")
-    p.add_argument("trace", nargs="*", help="trace files (default: the traces bundled with gpumem)")
-    p.add_argument("--upstream", choices=["vmm", "segments"], default="vmm")
-    p.add_argument("--capacity", help="simulated device memory, e.g. 80GiB (default 141GiB, an H200)")
-    p.add_argument("--page-size", help="vmm page size, a multiple of 2MiB (default: gpumem's, 8MiB)")
+def _prog() -> str:
+    """``python -m gpumem`` when run so, else the script's name (``gpumem``), for usage lines."""
+    arg0 = sys.argv[0] if sys.argv else ""
+    if not arg0 or arg0 == "-m" or os.path.basename(arg0) == "__main__.py":
+        return "python -m gpumem"
+    return os.path.basename(arg0)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    prog = prog or _prog()
+    parser = argparse.ArgumentParser(
+        prog=prog, description="gpumem's command line: replay allocation traces through the pool on a "
+                               "simulated device, or show every GPU's memory and processes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,status}")
+    p = sub.add_parser("replay", help="replay allocation traces through the pool on a simulated device",
+                       description="Replay allocation traces through gpumem's pool on a simulated device "
+                                   "and print peak live, peak reserved, their ratio, upstream calls and "
+                                   "the pool's CPU time per allocate+free.")
+    p.add_argument("trace", nargs="*", metavar="TRACE",
+                   help="trace files (default: the traces bundled with gpumem)")
+    p.add_argument("--upstream", choices=["vmm", "segments"], default="vmm",
+                   help="vmm: pages mapped on demand (default); segments: cudaMalloc-style regions")
+    p.add_argument("--capacity", metavar="BYTES",
+                   help="simulated device memory, e.g. 80GiB (default 141GiB, an H200)")
+    p.add_argument("--page-size", metavar="BYTES",
+                   help="vmm page size, a multiple of 2MiB (default: gpumem's, 8MiB)")
     p.add_argument("--release", choices=["lazy", "high_water"], default="lazy",
                    help="release policy (default lazy, gpumem's default)")
     p.add_argument("--json", action="store_true", help="one JSON line per trace")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=cmd_replay)
-    s = sub.add_parser("status", help="every GPU's memory and processes (NVML)", add_help=False)
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(func=cmd_status)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    p.set_defaults(func=cmd_replay, subparser=p)
+    s = sub.add_parser("status", help="every GPU's memory and processes (NVML)",
+                       description=status.parser().description)
+    status.add_arguments(s)
+    s.set_defaults(func=cmd_status, subparser=s)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (a bad option exits 2 through argparse)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand's usage, not the top level's, in the error (exit 2)
+        args.subparser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C outside status's own loop (replay): no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""``python -m gpumem status [--watch]``: every GPU's used/total memory and its processes, through NVML.
+"""``python -m gpumem status [--watch [SECONDS]] [--json]``: every GPU's used/total memory and its
+processes, through NVML.
 
 The library view of ``watch -n 1 nvidia-smi``.  Needs ``nvidia-ml-py`` (``import pynvml``); without it,
-without a driver or without GPUs it prints one clear line and returns nonzero (never a traceback).
+without a driver or without GPUs it prints one line saying which is missing and exits 0 (there is
+nothing to show, which is no error; never a traceback).  ``--watch`` ends on Ctrl-C with exit 0.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from ._format import fmt_bytes
 
-__all__ = ["main", "query", "render"]
+__all__ = ["main", "run", "parser", "add_arguments", "query", "render"]
 
 
 class StatusError(Exception):
@@ -127,49 +129,108 @@ def render(gpus: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m gpumem status [--watch] [-n SECONDS] [--count N] [--json]``; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "status":
-        argv = argv[1:]
-    ap = argparse.ArgumentParser(prog="python -m gpumem status",
-                                 description="GPU memory used/total and processes on every GPU (NVML).")
-    ap.add_argument("--watch", "-w", action="store_true", help="refresh until Ctrl-C (like watch nvidia-smi)")
-    ap.add_argument("-n", "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    ap.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
-    ap.add_argument("--json", action="store_true", help="machine-readable output")
+def _seconds(text: str) -> float:
     try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0")
+    return v
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the count must be >= 1")
+    return v
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``status``, for its own parser and for ``python -m gpumem status``."""
+    ap.add_argument("--watch", "-w", nargs="?", type=_seconds, const=0.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 1, or -n) until Ctrl-C, like watch nvidia-smi")
+    ap.add_argument("-n", "--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                    help="seconds between refreshes when --watch gives none (default 1)")
+    ap.add_argument("--count", type=_count, default=0, metavar="N",
+                    help="stop after N refreshes (implies --watch; for scripts and tests)")
+    ap.add_argument("--json", action="store_true",
+                    help='machine-readable: one JSON object per refresh, '
+                         '{"time": ..., "gpus": [...], "error": null}; without NVML or GPUs "gpus" is '
+                         'empty and "error" says why')
+    return ap
+
+
+def parser(prog: str = "python -m gpumem status") -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(
+        prog=prog, description="GPU memory used/total and processes on every GPU (NVML). Without NVML, "
+                               "a driver or a GPU it says so and exits 0."))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the status (once, or refreshed while watching); returns the exit code.
+
+    0 also without NVML bindings, driver or GPU (the output says which is missing: there is nothing to
+    show, which is no error) and on Ctrl-C while watching; 1 on an unexpected NVML error.
+    """
+    count = args.count
+    watch = args.watch is not None or count > 0
+    interval = args.watch or args.interval  # --watch alone (0.0) takes -n's
     n = 0
     try:
         while True:
+            error: Optional[str] = None
+            gpus: List[Dict[str, Any]] = []
             try:
                 gpus = query()
             except StatusError as e:
-                print(f"gpumem status: {e}", file=sys.stderr)
-                return 2
+                error = str(e)
             except Exception as e:  # pynvml errors of any kind
                 print(f"gpumem status: NVML error: {type(e).__name__}: {e}", file=sys.stderr)
-                return 2
+                return 1
             if args.json:
-                out = json.dumps(gpus)
+                out = json.dumps({"time": round(time.time(), 3), "gpus": gpus, "error": error})
+            elif error is not None:
+                out = f"gpumem status: no GPU to show: {error}"
             else:
                 out = render(gpus)
-            if args.watch and sys.stdout.isatty():
-                sys.stdout.write("\x1b[H\x1b[2J")
-            if args.watch and not args.json:
-                out = time.strftime("%H:%M:%S") + "\n" + out
+                if watch:
+                    if sys.stdout.isatty():
+                        sys.stdout.write("\x1b[H\x1b[2J")
+                    out = time.strftime("%H:%M:%S") + "\n" + out
             print(out, flush=True)
             n += 1
-            if not args.watch or (args.count and n >= args.count):
+            # Nothing will appear to watch on a machine without NVML or GPUs: say so once and stop.
+            if not watch or error is not None or (count and n >= count):
                 return 0
-            time.sleep(max(0.05, args.interval))
+            time.sleep(max(0.05, interval))
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:
+        # The reader went away (``status --watch | head``): stop quietly, without a second error at exit.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
         return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m gpumem status [--watch [SECONDS]] [-n SECONDS] [--count N] [--json]``; returns the
+    exit code (argparse's 2 for a bad option, 0 for ``--help``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "status":
+        argv = argv[1:]
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return run(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,11 +10,11 @@ namespace gpumem {
 // A request the pool could not satisfy even after releasing its cache and running the OOM callbacks.
 class OutOfMemoryError : public std::runtime_error {
  public:
-  OutOfMemoryError(const std::string& message, std::size_t requested, std::size_t allocated,
-                   std::size_t reserved, std::size_t cap, std::size_t largest_free)
+  OutOfMemoryError(const std::string& message, std::size_t requested_bytes, std::size_t allocated_bytes,
+                   std::size_t reserved_bytes, std::size_t cap_bytes, std::size_t largest_free_block)
       : std::runtime_error(message),
-        requested(requested), allocated(allocated), reserved(reserved), cap(cap),
-        largest_free(largest_free) {}
+        requested(requested_bytes), allocated(allocated_bytes), reserved(reserved_bytes), cap(cap_bytes),
+        largest_free(largest_free_block) {}
   std::size_t requested, allocated, reserved, cap, largest_free;
 };
 

@@ -9,6 +9,7 @@
 
 #include "format.hpp"
 #include "pool.hpp"
+#include "pool_debug.hpp"
 
 namespace gpumem {
 
@@ -126,7 +127,8 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
   const std::size_t rounded = round_up(bytes, kAlignment);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-      if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
+    GPUMEM_VALIDATE_ON_RETURN();
+    if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
     // First fallback: everything cached goes back to the device, then try again.
     stats_.num_alloc_retries++;
     release_cached(std::numeric_limits<std::size_t>::max());
@@ -142,10 +144,12 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
   if (!callbacks.empty()) {
     for (auto& cb : callbacks) cb();
     std::lock_guard<std::mutex> lock(mutex_);
-      release_cached(std::numeric_limits<std::size_t>::max());
+    GPUMEM_VALIDATE_ON_RETURN();
+    release_cached(std::numeric_limits<std::size_t>::max());
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   stats_.num_ooms++;
   throw OutOfMemoryError(oom_message(bytes, stream), bytes,
                          stats_.allocated_bytes[kAggregate].current,
@@ -156,6 +160,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
 std::uintptr_t Pool::allocate_cached(std::size_t bytes, StreamId stream) {
   if (bytes == 0 || bytes > kMaxRequest) return 0;
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   growth_allowed_ = false;
   struct Restore {
     bool& flag;
@@ -369,12 +374,14 @@ Pool::Block* Pool::find_live(std::uintptr_t address, const char* what) const {
 void Pool::free(std::uintptr_t address) {
   if (address == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   if (!free_locked(address)) find_live(address, "free");  // throws the message for a foreign or double free
 }
 
 bool Pool::try_free(std::uintptr_t address) {
   if (address == 0) return false;
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   return free_locked(address);
 }
 
@@ -433,6 +440,7 @@ void Pool::return_to_arena(Block* block) {
 
 void Pool::record_stream(std::uintptr_t address, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   Block* block = find_live(address, "record_stream");
   if (stream == block->region->arena->stream) return;  // its own stream orders itself
   auto& s = block->extra_streams;
@@ -441,6 +449,7 @@ void Pool::record_stream(std::uintptr_t address, StreamId stream) {
 
 void Pool::process_events() {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   recycle_completed();
 }
 

@@ -32,6 +32,7 @@
 //   pool_release.cpp         giving memory back: make_room, release_cached, trim, the cap and limit
 //   pool_introspection.cpp   stats, snapshot, largest free block, live-block queries, export, OOM text
 //   pool_validate.cpp        validate(), the invariant checker
+//   pool_debug.hpp           the validate-every-op check of debug builds (GPUMEM_VALIDATE_EVERY_OP)
 //   page_map.hpp/.cpp        a paged region's page flags, mapped_limit and holes (PageMap)
 //   free_index.hpp           an arena's free blocks by size (bins + size_class_lists.hpp)
 //   address_map.hpp          live blocks by address
@@ -207,6 +208,10 @@ class Pool {
   // Walks every block and checks the pool's structures and accounting.
   // @throws InvariantViolation describing the first inconsistency found.
   void validate() const;
+  // Whether this build checks the pool after every public mutating call (cmake
+  // -DGPUMEM_VALIDATE_EVERY_OP=ON, a debug build for CI): a violation throws InvariantViolation from
+  // the call that caused it (or aborts, naming it, when the call was already throwing).
+  static bool validates_every_op();
 
   Upstream& upstream() { return *upstream_; }
   int device() const { return options_.device; }
@@ -250,6 +255,7 @@ class Pool {
     EventId event;
   };
 
+  class ValidateOnReturn;  // the validate-every-op debug check (pool_debug.hpp)
   void validate_locked() const;
 
   std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);

@@ -8,6 +8,7 @@
 
 #include "format.hpp"
 #include "pool.hpp"
+#include "pool_debug.hpp"
 
 namespace gpumem {
 
@@ -36,6 +37,7 @@ std::uintptr_t Pool::allocate_at(std::uintptr_t address, std::size_t bytes) {
                           ", so no block of this pool can start there; nothing was changed");
   const std::size_t rounded = round_up(bytes, kAlignment);
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   if (!pending_.empty()) recycle_completed();  // finished pending frees count as free
   Block* free_block = free_block_holding(address, rounded, bytes);  // or throws, nothing changed
   Region* region = free_block->region;

@@ -8,6 +8,7 @@
 
 #include "format.hpp"
 #include "pool.hpp"
+#include "pool_debug.hpp"
 
 namespace gpumem {
 
@@ -25,6 +26,7 @@ Pool::ExportedBlock Pool::export_block(std::uintptr_t address) {
 
 void Pool::count_oom() {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   stats_.num_ooms++;
 }
 
@@ -68,11 +70,13 @@ DeviceStats Pool::stats() const {
 
 void Pool::reset_peak_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   stats_.reset_peak();
 }
 
 void Pool::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   stats_.reset_accumulated();
 }
 

@@ -7,6 +7,7 @@
 
 #include "format.hpp"
 #include "pool.hpp"
+#include "pool_debug.hpp"
 
 namespace gpumem {
 
@@ -118,6 +119,7 @@ std::size_t Pool::release_cached_units(std::size_t target) {
 
 std::size_t Pool::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   return release_cached(std::numeric_limits<std::size_t>::max(), /*rethrow=*/true);
 }
 
@@ -125,6 +127,7 @@ std::size_t Pool::trim() {
 
 void Pool::set_cap(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   const std::size_t active = stats_.active_bytes[kAggregate].current;
   if (bytes != 0 && bytes < active)
     throw InvalidArgument("gpumem: cannot cap device " + std::to_string(options_.device) + " at " +
@@ -146,6 +149,7 @@ std::size_t Pool::cap() const {
 
 void Pool::set_limit(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
+  GPUMEM_VALIDATE_ON_RETURN();
   budget_->set_limit(bytes);
   // Cached pages go back down to the limit where they can; pages under live blocks stay.
   if (const std::size_t excess = budget_->excess(0)) release_cached(excess);

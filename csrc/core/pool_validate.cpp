@@ -1,11 +1,15 @@
 // The invariant checker, validate(): every block of every region (links, coverage, alignment, merged
 // free neighbours, allocation state), the free index, the address map of live blocks, each paged
-// region's page map, the pending frees, and every statistic against what the blocks say (pool.hpp
-// lists every file).
+// region's page map, the pending frees, and every statistic against what the blocks say. Also the
+// validate-every-op check of debug builds (pool_debug.hpp). pool.hpp lists every file.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <string>
 
 #include "pool.hpp"
+#include "pool_debug.hpp"
 
 namespace gpumem {
 
@@ -98,6 +102,24 @@ void Pool::validate_locked() const {
     if ((*a)[kAggregate].current != (*a)[kSmallPool].current + (*a)[kLargePool].current)
       fail("small + large pool stats do not add up to the aggregate");
   (void)free_seen;
+}
+
+bool Pool::validates_every_op() { return GPUMEM_VALIDATE_EVERY_OP != 0; }
+
+Pool::ValidateOnReturn::ValidateOnReturn(const Pool& pool)
+    : pool_(pool), exceptions_(std::uncaught_exceptions()) {}
+
+Pool::ValidateOnReturn::~ValidateOnReturn() noexcept(false) {
+  if (std::uncaught_exceptions() == exceptions_) {
+    pool_.validate_locked();  // a violation throws from the call that caused it
+    return;
+  }
+  try {
+    pool_.validate_locked();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpumem: after a call that threw: %s\n", e.what());
+    std::abort();
+  }
 }
 
 }  // namespace gpumem

@@ -1,12 +1,18 @@
 """The native (C++) test layer, built and run from pytest:
 
-- pool_tests and the fuzz corpus replayed (plus random inputs) under AddressSanitizer + UBSan;
+- the unit tests (one executable per core concept: every gpumem_native_test() of
+  tests/native/CMakeLists.txt) and the fuzz corpus replayed (plus random inputs) under
+  AddressSanitizer + UBSan;
+- the same unit tests and the corpus (plus fewer random inputs) in a debug build that runs the pool's
+  invariant checker after every pool operation (-DGPUMEM_VALIDATE_EVERY_OP=ON, -O1 with libstdc++'s
+  assertions): about 45 s to build and 20 s to run on 2 cores;
 - stress_threads (8 threads, several streams, random sizes) under ThreadSanitizer;
 - a short coverage-guided libFuzzer run of fuzz_pool, when clang is installed.
 
-Builds are cached under build/native-asan, build/native-tsan and build/native-fuzz; only the targets
-needed are built, with -j2. Environment knobs: GPUMEM_FUZZ_SECONDS (default 60) for the libFuzzer
-run, GPUMEM_STRESS_OPS (default 20000 per thread) for the TSan stress test.
+Builds are cached under build/native-asan, build/native-validate, build/native-tsan and
+build/native-fuzz; only the targets needed are built, with -j2. Environment knobs:
+GPUMEM_FUZZ_SECONDS (default 60) for the libFuzzer run, GPUMEM_STRESS_OPS (default 20000 per thread)
+for the TSan stress test.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "tests" / "native"
 CORPUS = NATIVE / "corpus"
+# The unit test executables, as tests/native/CMakeLists.txt declares them.
+UNIT_TESTS = re.findall(r"^gpumem_native_test\((\w+)", (NATIVE / "CMakeLists.txt").read_text(), re.M)
 
 CMAKE = shutil.which("cmake")
 CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -51,10 +59,10 @@ def _run(cmd, timeout, env=None, cwd=None):
     return proc.returncode, out
 
 
-def _build(name, cxx_flags, targets, compiler=None):
+def _build(name, cxx_flags, targets, compiler=None, build_type="RelWithDebInfo", options=()):
     build = ROOT / "build" / f"native-{name}"
     cfg = [CMAKE, "-S", ROOT, "-B", build, "-DGPUMEM_BUILD_PYTHON=OFF", "-DGPUMEM_BUILD_NATIVE=ON",
-           "-DCMAKE_BUILD_TYPE=RelWithDebInfo", f"-DCMAKE_CXX_FLAGS={cxx_flags}"]
+           f"-DCMAKE_BUILD_TYPE={build_type}", f"-DCMAKE_CXX_FLAGS={cxx_flags}", *options]
     if compiler:
         cfg.append(f"-DCMAKE_CXX_COMPILER={compiler}")
     rc, out = _run(cfg, timeout=300)
@@ -73,7 +81,13 @@ def _tsan_prefix():
 
 @pytest.fixture(scope="module")
 def asan_bin():
-    return _build("asan", ASAN_FLAGS, ["pool_tests", "fuzz_replay"])
+    return _build("asan", ASAN_FLAGS, ["native_unit_tests", "fuzz_replay"])
+
+
+@pytest.fixture(scope="module")
+def validate_bin():
+    return _build("validate", "-O1 -D_GLIBCXX_ASSERTIONS", ["native_unit_tests", "fuzz_replay"],
+                  build_type="Debug", options=["-DGPUMEM_VALIDATE_EVERY_OP=ON"])
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +104,43 @@ def fuzz_bin():
     return _build("fuzz", ASAN_FLAGS + " -fsanitize=fuzzer-no-link", ["fuzz_pool"], compiler=CLANGXX)
 
 
-def test_pool_tests_under_asan_ubsan(asan_bin):
-    rc, out = _run([asan_bin / "pool_tests"], timeout=300)
+def _run_unit_tests(binary, timeout=300):
+    """Runs one unit test executable; returns its output, which must close on 'N passed, 0 failed'."""
+    rc, out = _run([binary], timeout=timeout)
     last = out.strip().splitlines()[-1] if out.strip() else ""
-    assert rc == 0 and re.fullmatch(r"\d+ passed, 0 failed", last), out[-6000:]
-    print(last)
+    assert rc == 0 and re.fullmatch(r"[1-9]\d* passed, 0 failed", last), out[-6000:]
+    return out
+
+
+def test_every_native_test_source_is_built():
+    cmake = (NATIVE / "CMakeLists.txt").read_text()
+    declared = " ".join(re.findall(r"^gpumem_native_test\(([^)]*)\)", cmake, re.M))
+    assert len(UNIT_TESTS) >= 6 and "pool_tests" in UNIT_TESTS, UNIT_TESTS
+    missing = [p.name for p in sorted(NATIVE.glob("test_*.cpp")) if p.name not in declared.split()]
+    assert not missing, f"{missing} are in tests/native but no gpumem_native_test() builds them"
+
+
+@pytest.mark.parametrize("name", UNIT_TESTS)
+def test_unit_tests_under_asan_ubsan(asan_bin, name):
+    out = _run_unit_tests(asan_bin / name)
+    print(f"{name}: {out.strip().splitlines()[-1]}")
 
 
 def test_fuzz_corpus_and_random_inputs_replay_under_asan_ubsan(asan_bin, tmp_path):
     assert CORPUS.is_dir() and any(CORPUS.iterdir()), f"the seed corpus {CORPUS} is missing"
     rc, out = _run([asan_bin / "fuzz_replay", CORPUS, "--random", "400", "--seed", "7"], timeout=300,
+                   cwd=tmp_path)
+    assert rc == 0 and "0 failures" in out, out[-6000:]
+    print(out.strip().splitlines()[-1])
+
+
+def test_validate_after_every_operation(validate_bin, tmp_path):
+    """The debug build checks every invariant inside every pool call: a violation fails the call that
+    caused it rather than the next validate() a test happens to make."""
+    for name in UNIT_TESTS:
+        out = _run_unit_tests(validate_bin / name)
+        assert "validate() after every pool operation: on" in out, out[-2000:]
+    rc, out = _run([validate_bin / "fuzz_replay", CORPUS, "--random", "100", "--seed", "11"], timeout=300,
                    cwd=tmp_path)
     assert rc == 0 and "0 failures" in out, out[-6000:]
     print(out.strip().splitlines()[-1])

@@ -1,0 +1,123 @@
+// Helpers of the pool's native tests (test_pool*.cpp): a pool on a simulated device, the leak and
+// consistency checks every test ends with, an upstream that fails on demand, and a fingerprint of
+// everything the pool shows (to prove a refused call changed nothing).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/errors.hpp"
+#include "core/format.hpp"
+#include "core/pool.hpp"
+#include "core/simulated_device.hpp"
+#include "harness.hpp"
+
+namespace gpumem_test {
+
+using namespace gpumem;
+
+inline std::int64_t cur(const StatArray& a) { return a[kAggregate].current; }
+
+// The leak and consistency check every test ends with.
+inline void check_clean(const Pool& pool, const SimulatedDevice& dev) {
+  pool.validate();
+  CHECK_EQ(static_cast<std::int64_t>(dev.used_bytes()), cur(pool.stats().reserved_bytes));
+}
+
+// Everything freed and trimmed: the device must hold nothing.
+inline void check_empty_after_trim(Pool& pool, const SimulatedDevice& dev) {
+  pool.trim();
+  check_clean(pool, dev);
+  CHECK_EQ(cur(pool.stats().reserved_bytes), 0);
+  CHECK_EQ(dev.used_bytes(), std::size_t(0));
+}
+
+struct Setup {
+  std::shared_ptr<SimulatedDevice> dev;
+  std::unique_ptr<Pool> pool;
+  Setup(UpstreamKind kind, std::size_t capacity = 256 * MiB, std::size_t cap = 0,
+        ReleasePolicy release = ReleasePolicy::kHighWater, std::size_t page = 2 * MiB) {
+    dev = std::make_shared<SimulatedDevice>(kind, capacity, page);
+    PoolOptions o;
+    o.cap_bytes = cap;
+    o.release = release;
+    o.large_page_bytes = page;  // one page size throughout: the figures below count pages
+    pool = std::make_unique<Pool>(dev, o);
+  }
+};
+
+inline const UpstreamKind kKinds[] = {UpstreamKind::kPages, UpstreamKind::kSegments};
+
+// An upstream that forwards to a simulated device and fails map / allocate_segment calls on demand.
+class FlakyDevice : public Upstream {
+ public:
+  explicit FlakyDevice(std::shared_ptr<SimulatedDevice> sim) : sim_(std::move(sim)) {}
+  std::function<bool(std::size_t call)> fail_map;  // called with the 1-based index of the map call
+  std::size_t map_calls = 0, failures = 0;
+
+  UpstreamKind kind() const override { return sim_->kind(); }
+  std::string name() const override { return "flaky"; }
+  std::size_t page_size() const override { return sim_->page_size(); }
+  std::size_t device_total_bytes() const override { return sim_->device_total_bytes(); }
+  std::size_t device_free_bytes() const override { return sim_->device_free_bytes(); }
+  std::uintptr_t allocate_segment(std::size_t b) override {
+    if (fail_map && fail_map(++map_calls)) return ++failures, 0;
+    return sim_->allocate_segment(b);
+  }
+  void free_segment(std::uintptr_t a, std::size_t b) override { sim_->free_segment(a, b); }
+  std::uintptr_t reserve_address_range(std::size_t b) override { return sim_->reserve_address_range(b); }
+  void release_address_range(std::uintptr_t a, std::size_t b) override { sim_->release_address_range(a, b); }
+  bool map(std::uintptr_t a, std::size_t b, std::size_t page) override {
+    if (fail_map && fail_map(++map_calls)) return ++failures, false;
+    return sim_->map(a, b, page);
+  }
+  void unmap(std::uintptr_t a, std::size_t b, std::size_t page) override { sim_->unmap(a, b, page); }
+  EventId record_event(StreamId s) override { return sim_->record_event(s); }
+  bool event_completed(EventId e) override { return sim_->event_completed(e); }
+  void destroy_event(EventId e) override { sim_->destroy_event(e); }
+  void synchronize(StreamId s) override { sim_->synchronize(s); }
+
+ private:
+  std::shared_ptr<SimulatedDevice> sim_;
+};
+
+// A block that needs two runs of pages mapped: the first map succeeds, the second fails.
+inline void setup_two_gaps(Pool& pool, std::uintptr_t* keep1, std::uintptr_t* keep2) {
+  // Pages p0..p3 of the large arena: keep p1 and p3 live, unmap p0 and p2; then free p1.
+  std::uintptr_t a = pool.allocate(2 << 20, 0), b = pool.allocate(2 << 20, 0);
+  std::uintptr_t c = pool.allocate(2 << 20, 0), d = pool.allocate(2 << 20, 0);
+  pool.free(a);
+  pool.free(c);
+  pool.trim();
+  *keep1 = b;
+  *keep2 = d;
+}
+
+// The pool's observable state: statistics (current, peak, totals) and every block of every region.
+inline std::string fingerprint(const Pool& pool, bool with_counters = true) {
+  DeviceStats st = pool.stats();
+  std::ostringstream o;
+  for (const StatArray* a : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
+                             &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes})
+    for (const Stat& x : *a) o << x.current << ',' << x.peak << ',' << x.allocated << ',' << x.freed << ';';
+  if (with_counters)
+    o << st.num_alloc_retries << ',' << st.num_ooms << ',' << st.num_device_alloc << ',' << st.num_device_free;
+  for (const RegionInfo& r : pool.snapshot()) {
+    o << '|' << r.address << ',' << r.size << ',' << r.reserved << ',' << r.stream;
+    for (const BlockInfo& b : r.blocks) o << ' ' << b.address << ',' << b.size << ',' << b.requested << ',' << b.state;
+  }
+  return o.str();
+}
+
+// The blocks of the region holding `address`, as (address, size, state) triples.
+inline std::vector<BlockInfo> blocks_around(const Pool& pool, std::uintptr_t address) {
+  for (const RegionInfo& r : pool.snapshot())
+    if (address >= r.address && address < r.address + r.size) return r.blocks;
+  return {};
+}
+
+}  // namespace gpumem_test

@@ -85,17 +85,29 @@ class FlakyDevice : public Upstream {
   std::shared_ptr<SimulatedDevice> sim_;
 };
 
-// A block that needs two runs of pages mapped: the first map succeeds, the second fails.
-inline void setup_two_gaps(Pool& pool, std::uintptr_t* keep1, std::uintptr_t* keep2) {
-  // Pages p0..p3 of the large arena: keep p1 and p3 live, unmap p0 and p2; then free p1.
-  std::uintptr_t a = pool.allocate(2 << 20, 0), b = pool.allocate(2 << 20, 0);
-  std::uintptr_t c = pool.allocate(2 << 20, 0), d = pool.allocate(2 << 20, 0);
-  pool.free(a);
-  pool.free(c);
-  pool.trim();
-  *keep1 = b;
-  *keep2 = d;
-}
+// A pool whose next block needs two runs of pages mapped, on a FlakyDevice (the page layout is drawn
+// in 2 MiB pages): pages p0..p3 of the large arena, with p1 (b) and p3 (d) live and p0 and p2
+// unmapped. Freeing b leaves a free block p0..p2 with only p1 mapped.
+struct TwoGapsPool {
+  static PoolOptions two_mib_pages() {
+    PoolOptions o;
+    o.large_page_bytes = 2 << 20;
+    return o;
+  }
+  std::shared_ptr<SimulatedDevice> sim = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 256 * MiB);
+  std::shared_ptr<FlakyDevice> flaky = std::make_shared<FlakyDevice>(sim);
+  Pool pool{flaky, two_mib_pages()};
+  std::uintptr_t b = 0, d = 0;
+  TwoGapsPool() {
+    const std::uintptr_t a = pool.allocate(2 << 20, 0);
+    b = pool.allocate(2 << 20, 0);
+    const std::uintptr_t c = pool.allocate(2 << 20, 0);
+    d = pool.allocate(2 << 20, 0);
+    pool.free(a);
+    pool.free(c);
+    pool.trim();
+  }
+};
 
 // The pool's observable state: statistics (current, peak, totals) and every block of every region.
 inline std::string fingerprint(const Pool& pool, bool with_counters = true) {

@@ -76,13 +76,8 @@ TEST(random_faults_leak_nothing) {
 
 
 TEST(fault_in_the_middle_of_growing_a_block_retries_transparently) {
-  auto sim = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 256 * MiB);
-  auto flaky = std::make_shared<FlakyDevice>(sim);
-  PoolOptions two_mib_pages;
-  two_mib_pages.large_page_bytes = 2 << 20;  // the page layout below is drawn in 2 MiB pages
-  Pool pool(flaky, two_mib_pages);
-  std::uintptr_t b, d;
-  setup_two_gaps(pool, &b, &d);
+  TwoGapsPool g;
+  auto& [sim, flaky, pool, b, d] = g;
   pool.free(b);  // free block p0..p2 with only p1 mapped
   CHECK_EQ(cur(pool.stats().reserved_bytes), std::int64_t(4 << 20));
   const std::size_t base = flaky->map_calls;
@@ -97,13 +92,8 @@ TEST(fault_in_the_middle_of_growing_a_block_retries_transparently) {
 }
 
 TEST(fault_in_the_middle_of_growing_a_block_then_oom_leaks_nothing) {
-  auto sim = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 256 * MiB);
-  auto flaky = std::make_shared<FlakyDevice>(sim);
-  PoolOptions two_mib_pages;
-  two_mib_pages.large_page_bytes = 2 << 20;  // the page layout below is drawn in 2 MiB pages
-  Pool pool(flaky, two_mib_pages);
-  std::uintptr_t b, d;
-  setup_two_gaps(pool, &b, &d);
+  TwoGapsPool g;
+  auto& [sim, flaky, pool, b, d] = g;
   pool.free(b);
   const std::size_t base = flaky->map_calls;
   flaky->fail_map = [base](std::size_t call) { return call >= base + 2; };  // first run only
@@ -187,13 +177,8 @@ TEST(destroying_the_pool_returns_everything) {
 }
 
 TEST(allocate_at_device_refusal_is_an_oom_that_leaks_nothing) {
-  auto sim = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 256 * MiB);
-  auto flaky = std::make_shared<FlakyDevice>(sim);
-  PoolOptions two_mib_pages;
-  two_mib_pages.large_page_bytes = 2 << 20;
-  Pool pool(flaky, two_mib_pages);
-  std::uintptr_t b, d;
-  setup_two_gaps(pool, &b, &d);  // p1 (b) and p3 (d) live, p0 and p2 unmapped
+  TwoGapsPool g;
+  auto& [sim, flaky, pool, b, d] = g;  // p1 (b) and p3 (d) live, p0 and p2 unmapped
   pool.free(b);
   const std::string before = fingerprint(pool, false);
   flaky->fail_map = [](std::size_t) { return true; };

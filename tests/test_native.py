@@ -62,6 +62,7 @@ def _run(cmd, timeout, env=None, cwd=None):
 def _build(name, cxx_flags, targets, compiler=None, build_type="RelWithDebInfo", options=()):
     build = ROOT / "build" / f"native-{name}"
     cfg = [CMAKE, "-S", ROOT, "-B", build, "-DGPUMEM_BUILD_PYTHON=OFF", "-DGPUMEM_BUILD_NATIVE=ON",
+           "-DGPUMEM_WERROR=ON",
            f"-DCMAKE_BUILD_TYPE={build_type}", f"-DCMAKE_CXX_FLAGS={cxx_flags}", *options]
     if compiler:
         cfg.append(f"-DCMAKE_CXX_COMPILER={compiler}")

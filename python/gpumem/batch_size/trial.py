@@ -4,6 +4,7 @@ recovered from, and what the trial allocated released; plus the built-in step's 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence, Tuple
@@ -71,28 +72,25 @@ def _clear_frames(e: BaseException) -> None:
         traceback.clear_frames(x.__traceback__)
 
 
+@dataclasses.dataclass
 class _Runner:
     """Runs one trial: ``steps`` steps at a batch size, OOM caught and recovered from
     outside the ``except`` block, everything a trial allocated released afterwards."""
 
-    def __init__(self, *, model: Optional[nn.Module], make_input: Optional[Callable[[int], Any]],
-                 mode: str, step_fn: Optional[Callable[[int], Any]], loss_fn: Optional[Callable],
-                 optimizer: Any, autocast: Optional[torch.dtype], steps: int, backend: _Backend,
-                 comm: _Comm, guard: _StateGuard, shape_hint: str):
-        self.model = model
-        self.make_input = make_input
-        self.mode = mode
-        self.step_fn = step_fn
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.autocast = autocast
-        self.steps = steps
-        self.backend = backend
-        self.comm = comm
-        self.guard = guard
-        self.shape_hint = shape_hint
-        self._opt: Optional[torch.optim.Optimizer] = None
-        self.calls = 0
+    model: Optional[nn.Module]
+    make_input: Optional[Callable[[int], Any]]
+    mode: str
+    step_fn: Optional[Callable[[int], Any]]
+    loss_fn: Optional[Callable]
+    optimizer: Any
+    autocast: Optional[torch.dtype]
+    steps: int
+    backend: _Backend
+    comm: _Comm
+    guard: _StateGuard
+    shape_hint: str
+    _opt: Optional[torch.optim.Optimizer] = dataclasses.field(default=None, init=False)
+    calls: int = dataclasses.field(default=0, init=False)
 
     def _autocast_ctx(self) -> Any:
         if self.autocast is None:

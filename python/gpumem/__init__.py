@@ -39,8 +39,38 @@ from .replay import replay
 
 __version__ = "0.1.0"
 
-# Registers the pool as torch's CUDA allocator when it can; raises ValueError for a bad GPUMEM_CONF.
-_torch.install()
+
+
+def _imported_by_the_command_line() -> bool:
+    """Is this import the command line's own (``python -m gpumem ...`` or the ``gpumem`` script)?
+
+    Then a bad GPUMEM_CONF must not fail the import with a traceback: ``gpumem run`` reports it (exit
+    2) before the script starts, and ``status``/``replay`` do not use torch's allocator at all."""
+    import os
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 == "-m":  # `python -m X` while X is being located: is X this package?
+        orig = list(getattr(sys, "orig_argv", None) or [])
+        for i, a in enumerate(orig):
+            if a == "-m":
+                return orig[i + 1:i + 2] in (["gpumem"], ["gpumem.__main__"])
+            if a in ("-mgpumem", "-mgpumem.__main__"):
+                return True
+        return False
+    main = sys.modules.get("__main__")
+    name = os.path.basename(argv0).lower()
+    return (name in ("gpumem", "gpumem.exe", "gpumem-script.py")
+            and getattr(main, "__file__", None) in (argv0, os.path.abspath(argv0)))  # the installed script itself
+
+
+# Registers the pool as torch's CUDA allocator when it can; raises ValueError for a bad GPUMEM_CONF
+# (except for the command line's own import, see above: there `install()` raises again when called).
+try:
+    _torch.install()
+except ValueError:
+    if not _imported_by_the_command_line():
+        raise
 from ._torch import is_active, mem_pool, pool, stats, status_line  # noqa: E402
 from .allocator import cap, set_cap, trim, validate  # noqa: E402
 

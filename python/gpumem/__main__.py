@@ -1,6 +1,7 @@
 """Command line (``python -m gpumem`` or the ``gpumem`` script): ``replay [TRACE ...]`` replays allocation
 traces through the pool on a simulated device; ``status [--watch [SECONDS]] [--json]`` shows every GPU's
-memory and processes."""
+memory and processes; ``run [--quiet] [--status] SCRIPT|-m MODULE [ARGS ...]`` runs an unchanged script
+with gpumem as torch's allocator (``gpumem.run``)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import os
 import sys
 
 from . import _C, status
+from . import run as run_cmd
 from ._format import fmt_in
 from .replay import bundled_traces, print_progress, reference_ratios, replay
 
@@ -79,8 +81,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     prog = prog or _prog()
     parser = argparse.ArgumentParser(
         prog=prog, description="gpumem's command line: replay allocation traces through the pool on a "
-                               "simulated device, or show every GPU's memory and processes.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,status}")
+                               "simulated device, show every GPU's memory and processes, or run a "
+                               "script with gpumem as PyTorch's CUDA allocator.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,status,run}")
     p = sub.add_parser("replay", help="replay allocation traces through the pool on a simulated device",
                        description="Replay allocation traces through gpumem's pool on a simulated device "
                                    "and print peak live, peak reserved, their ratio, upstream calls and "
@@ -102,13 +105,20 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                        description=status.parser().description)
     status.add_arguments(s)
     s.set_defaults(func=cmd_status, subparser=s)
+    # For --help and the usage line only: main() hands `run`'s arguments to gpumem.run untouched.
+    r = sub.add_parser("run", help="run a script (or -m MODULE) with gpumem as torch's CUDA allocator",
+                       description=run_cmd.DESCRIPTION)
+    run_cmd.add_arguments(r)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (a bad option exits 2 through argparse)."""
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    if args_list[:1] == ["run"]:  # the script's arguments must reach it untouched, `--help` included
+        return run_cmd.main(args_list[1:], prog=f"{_prog()} run")
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(args_list)
     if extra:  # name the subcommand's usage, not the top level's, in the error (exit 2)
         args.subparser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

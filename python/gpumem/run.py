@@ -87,8 +87,13 @@ def _set_path0(folder: Optional[str]) -> None:
         sys.path.insert(0, folder)
 
 
+def _abs(path: str) -> str:
+    """The script's path as Python 3.9+ makes ``__file__``: joined to the current folder, not normalized."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
 def _run_script(path: str, args: List[str]) -> None:
-    full = os.path.abspath(path)
+    full = _abs(path)
     sys.argv = [path, *args]
     if os.path.isdir(full) or zipfile.is_zipfile(full):
         _set_path0(None)  # runpy puts the folder / zip at sys.path[0] itself, as `python DIR` does
@@ -165,7 +170,7 @@ def main(argv: List[str], prog: str = "python -m gpumem run") -> int:
         if script == "-":
             print(f"{name}: reading the script from stdin is not supported; give a file", file=sys.stderr)
             return 2
-        full = os.path.abspath(script)
+        full = _abs(script)
         try:
             if not os.path.isdir(full):
                 with open(full, "rb"):

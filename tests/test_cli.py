@@ -110,7 +110,8 @@ def _readme_commands() -> dict:
 
 def test_every_command_and_option_in_the_readme_is_accepted(cwd):
     cmds = _readme_commands()
-    assert set(cmds) == {"replay", "status"}, cmds
+    assert set(cmds) == {"replay", "status", "run"}, cmds
+    assert {"--quiet", "--status"} <= cmds["run"]
     assert {"--upstream", "--release", "--page-size", "--capacity", "--json", "--quiet"} <= cmds["replay"]
     assert "--watch" in cmds["status"]
     for sub, options in cmds.items():
@@ -121,10 +122,11 @@ def test_every_command_and_option_in_the_readme_is_accepted(cwd):
             assert re.search(rf"(^|[\s\[,]){re.escape(opt)}\b", r.stdout), (sub, opt, r.stdout)
 
 
-def test_top_level_help_lists_both_commands(cwd):
+def test_top_level_help_lists_every_command(cwd):
     r = run(cwd, "--help")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("usage: python -m gpumem") and "replay" in r.stdout and "status" in r.stdout
+    assert r.stdout.startswith("usage: python -m gpumem")
+    assert all(c in r.stdout for c in ("replay", "status", "run"))
 
 
 @pytest.mark.parametrize("args, usage", [

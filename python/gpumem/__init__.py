@@ -60,8 +60,9 @@ def _imported_by_the_command_line() -> bool:
         return False
     main = sys.modules.get("__main__")
     name = os.path.basename(argv0).lower()
+    # the installed script itself, run as the program
     return (name in ("gpumem", "gpumem.exe", "gpumem-script.py")
-            and getattr(main, "__file__", None) in (argv0, os.path.abspath(argv0)))  # the installed script itself
+            and getattr(main, "__file__", None) in (argv0, os.path.abspath(argv0)))
 
 
 # Registers the pool as torch's CUDA allocator when it can; raises ValueError for a bad GPUMEM_CONF

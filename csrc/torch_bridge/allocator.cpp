@@ -456,16 +456,25 @@ void GpumemAllocator::cacheInfo(c10::DeviceIndex device, std::size_t* largestBlo
   });
 }
 
+Pool* GpumemAllocator::owning_pool(std::uintptr_t p, int* device) {
+  for (int d = 0; d < kMaxDevices; ++d) {
+    Pool* pool = main_pool_if_created(d);
+    if (pool && pool->allocation_size(p) != 0) {
+      if (device) *device = d;
+      return pool;
+    }
+  }
+  std::lock_guard<std::mutex> lock(routes_mutex_);
+  auto it = private_ptrs_.find(p);
+  if (it == private_ptrs_.end() || !it->second || !it->second->pool) return nullptr;
+  if (device) *device = it->second->device;
+  return it->second->pool.get();
+}
+
 void* GpumemAllocator::getBaseAllocation(void* ptr, std::size_t* size) {
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  std::size_t found = 0;
-  for (int d = 0; d < kMaxDevices && found == 0; ++d)
-    if (Pool* pool = main_pool_if_created(d)) found = pool->allocation_size(p);
-  if (found == 0) {
-    for (auto& pp : private_pools_of(-1))
-      if (pp->pool && (found = pp->pool->allocation_size(p)) != 0) break;
-  }
-  if (size) *size = found;
+  Pool* owner = owning_pool(p);
+  if (size) *size = owner ? owner->allocation_size(p) : 0;
   return ptr;  // every gpumem block is its own base allocation
 }
 
@@ -474,15 +483,7 @@ void GpumemAllocator::recordStream(const c10::DataPtr& data_ptr, c10::cuda::CUDA
   if (!ctx || !data_ptr.get() || data_ptr.get_deleter() != &gpumem_deleter) return;  // not ours
   const auto p = reinterpret_cast<std::uintptr_t>(ctx);
   const auto s = reinterpret_cast<StreamId>(stream.stream());
-  const int device = data_ptr.device().index();
-  Pool* owner = nullptr;
-  if (Pool* pool = main_pool_if_created(device); pool && pool->allocation_size(p) != 0) {
-    owner = pool;
-  } else {
-    std::lock_guard<std::mutex> lock(routes_mutex_);
-    auto it = private_ptrs_.find(p);
-    if (it != private_ptrs_.end() && it->second) owner = it->second->pool.get();
-  }
+  Pool* owner = owning_pool(p);
   if (!owner) return;  // already freed: nothing to protect
   try {
     owner->record_stream(p, s);

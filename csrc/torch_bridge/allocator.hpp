@@ -242,6 +242,9 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   bool defer_if_recorded(void* ptr);
   void flush_deferred();
   void empty_cache_impl(MempoolId mempool_id);
+  // The pool that handed out the live block at `p` (main pools, then private pools) and its device,
+  // or null: one lookup for getBaseAllocation, recordStream and shareIpcHandle.
+  Pool* owning_pool(std::uintptr_t p, int* device = nullptr);
   int check_device(int device) const;
 
   // ---- private_pools.cpp ----
@@ -250,6 +253,12 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::shared_ptr<PrivatePool> find_private(int device, MempoolId id);
   std::shared_ptr<PrivatePool> create_or_incref(int device, MempoolId id);
   std::vector<std::uintptr_t> live_pointers_of(const std::shared_ptr<PrivatePool>& pp);
+  // The pool of a private pool id, created on first use (never releasing on its own).
+  Pool& private_pool_memory(PrivatePool& pp);
+  // private_ptrs_ and its lock-free count (the free path's check) changed together; the caller
+  // holds routes_mutex_.
+  void remember_private(std::uintptr_t p, std::shared_ptr<PrivatePool> pp);
+  void forget_private(std::uintptr_t p);
   bool try_free_private(void* ptr);
   // The cached memory of MemPools made with use_on_oom=True, for a main-pool allocation that failed.
   std::uintptr_t borrow_from_oom_pools(int device, std::size_t size, cudaStream_t stream);

@@ -25,17 +25,8 @@ constexpr const char* kPrefix = "gpumem-ipc:1:";
 
 CCA::ShareableHandle GpumemAllocator::shareIpcHandle(void* ptr) {
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  Pool* owner = nullptr;
   int device = -1;
-  for (int d = 0; d < kMaxDevices && !owner; ++d) {
-    Pool* pool = main_pool_if_created(d);
-    if (pool && pool->allocation_size(p) != 0) owner = pool, device = d;
-  }
-  if (!owner) {
-    std::lock_guard<std::mutex> lock(routes_mutex_);
-    auto it = private_ptrs_.find(p);
-    if (it != private_ptrs_.end() && it->second) owner = it->second->pool.get(), device = it->second->device;
-  }
+  Pool* owner = owning_pool(p, &device);
   TORCH_CHECK(owner, cat("gpumem: cannot share ", hex(ptr), " with another process: it is not a live "
               "block of gpumem's pools"));
   TORCH_CHECK(owner->upstream().kind() == UpstreamKind::kPages,

@@ -40,6 +40,26 @@ std::vector<std::shared_ptr<PrivatePool>> GpumemAllocator::private_pools_of(int 
   return out;
 }
 
+Pool& GpumemAllocator::private_pool_memory(PrivatePool& pp) {
+  return *translate([&] {
+    std::lock_guard<std::mutex> lock(pp.mutex);
+    // Private pools never give memory back on their own: a graph's memory must stay mapped until the
+    // graph is released.
+    if (!pp.pool) pp.pool = make_pool(pp.device, pp.id, ReleasePolicy::kLazy, pp.external);
+    return pp.pool.get();
+  });
+}
+
+void GpumemAllocator::remember_private(std::uintptr_t p, std::shared_ptr<PrivatePool> pp) {
+  private_ptrs_[p] = std::move(pp);
+  private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+}
+
+void GpumemAllocator::forget_private(std::uintptr_t p) {
+  private_ptrs_.erase(p);
+  private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+}
+
 std::vector<std::uintptr_t> GpumemAllocator::live_pointers_of(const std::shared_ptr<PrivatePool>& pp) {
   std::vector<std::uintptr_t> out;
   std::lock_guard<std::mutex> lock(routes_mutex_);
@@ -62,19 +82,11 @@ void* GpumemAllocator::alloc_private(PrivatePool& pp, std::size_t size, cudaStre
   std::uintptr_t p = 0;
   {
     MaybeRelaxed relaxed(true);
-    Pool* pool = translate([&] {
-      std::lock_guard<std::mutex> lock(pp.mutex);
-      // Private pools never give memory back on their own: a graph's memory must stay mapped
-      // until the graph is released.
-      if (!pp.pool) pp.pool = make_pool(pp.device, pp.id, ReleasePolicy::kLazy, pp.external);
-      return pp.pool.get();
-    });
-    p = pool_allocate(*pool, size, pp.device, stream);
+    p = pool_allocate(private_pool_memory(pp), size, pp.device, stream);
   }
   std::lock_guard<std::mutex> lock(routes_mutex_);
   auto it = private_pools_.find({pp.device, pp.id});
-  private_ptrs_[p] = it != private_pools_.end() ? it->second : nullptr;
-  private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+  remember_private(p, it != private_pools_.end() ? it->second : nullptr);
   return reinterpret_cast<void*>(p);
 }
 
@@ -86,8 +98,7 @@ bool GpumemAllocator::try_free_private(void* ptr) {
     auto it = private_ptrs_.find(p);
     if (it == private_ptrs_.end()) return false;
     pp = it->second;
-    private_ptrs_.erase(it);
-    private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+    forget_private(p);
   }
   if (pp) free_private_block(pp, p);
   return true;
@@ -108,8 +119,7 @@ std::uintptr_t GpumemAllocator::borrow_from_oom_pools(int device, std::size_t si
     }
     if (!p) continue;
     std::lock_guard<std::mutex> lock(routes_mutex_);
-    private_ptrs_[p] = pp;  // freed back into the lending pool
-    private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+    remember_private(p, pp);  // freed back into the lending pool
     return p;
   }
   return 0;
@@ -293,18 +303,13 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
     }
     {
       std::lock_guard<std::mutex> lock(routes_mutex_);
-      private_ptrs_.erase(p);
-      private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+      forget_private(p);
     }
     if (pp->pool) translate([&] { pp->pool->free(p); });
     if (tracing_.load(std::memory_order_relaxed) && size) trace_free(pp->device, p, size, pp->id, nullptr);
   }
   if (!state->live.empty()) {
-    Pool* pool = translate([&] {
-      std::lock_guard<std::mutex> lock(pp->mutex);
-      if (!pp->pool) pp->pool = make_pool(pp->device, pp->id, ReleasePolicy::kLazy, pp->external);
-      return pp->pool.get();
-    });
+    Pool* pool = &private_pool_memory(*pp);
     pool->process_events();
     for (const auto& block : state->live) {
       if (kept.count(block.address)) continue;
@@ -317,8 +322,7 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
       }
       {
         std::lock_guard<std::mutex> lock(routes_mutex_);
-        private_ptrs_[block.address] = pp;
-        private_count_.store(static_cast<int>(private_ptrs_.size()), std::memory_order_release);
+        remember_private(block.address, pp);
       }
       if (tracing_.load(std::memory_order_relaxed))
         trace_alloc(pp->device, block.address, block.requested, nullptr, pp->id, nullptr);

@@ -1,0 +1,372 @@
+"""Under memory pressure: the lowest cap at which each allocator runs each workload without an OOM.
+
+    python bench/pressure.py [--workloads moe,bert] [--allocators native,expandable,gpumem] [--quick]
+                             [--json OUT.json] [--jobs 8] [--budget-s 420] [--dry-run] [--device cpu]
+
+For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
+vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
+expandable, async, gpumem; rmm where RAPIDS RMM imports), one process per run:
+
+ 1. uncapped, alone (timed): native first, whose peak allocated bytes are P; then the others. Each
+    gives its step time and max reserved / max allocated;
+ 2. capped at 1.05 P, alone (timed): the step time under pressure, and the first point of the search;
+ 3. the lowest cap k (in units of P, set with torch.cuda.set_per_process_memory_fraction(k P / total))
+    at which the whole run has 0 OOM steps, to --tolerance (0.25% of P): rounds of trials in parallel
+    on the same GPU (caps are per process; the trials' caps plus each one's CUDA context stay under
+    90% of the device), every allocator's unfinished search in the same round, each split into as many
+    points as the round has room for. A trial ends at its first OOM. One that met a device short of
+    memory (not its cap) runs again alone. Past --budget-s seconds no new round starts: the searches
+    left report their bracket.
+
+Prints a table (caps, step times, ratios to the best PyTorch allocator) and, with --json, writes every
+figure and trial. --dry-run prints the plan and runs nothing; --device cpu runs each workload's code
+once, tiny, on the CPU (no allocator, no cap): the path CI covers. Every run of a chosen subset fits
+one GPU call of ~8 minutes on an H100 when it holds three workloads (the lead runs it in 2-3 calls).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "pressure_workloads.py")
+sys.path.insert(0, HERE)
+from pressure_workloads import ALLOCATORS, CONTEXT_BYTES, WORKLOADS  # noqa: E402  (imports no torch)
+
+TORCH_ALLOCATORS = ("native", "expandable", "async")
+TIMED_CAP = 1.05
+FLOOR = 0.97          # the search's lowest cap: an allocator that runs below P is reported as "<= 0.97"
+DEVICE_SHARE = 0.90   # the parallel trials' caps and contexts stay under this share of the device
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+@dataclass
+class Search:
+    """The lowest passing cap of one (workload, allocator), from trials' pass/fail; pure bookkeeping."""
+    tolerance: float
+    ceiling: float                      # no cap above this is tried (the device's memory)
+    floor: float = FLOOR
+    trials: dict = field(default_factory=dict)  # cap -> passed
+
+    def record(self, cap: float, passed: bool) -> None:
+        self.trials[round(cap, 5)] = passed
+
+    def bracket(self):
+        """(highest failing cap below the lowest passing one or None, lowest passing cap or None)."""
+        passing = [k for k, ok in self.trials.items() if ok]
+        hi = min(passing) if passing else None
+        failing = [k for k, ok in self.trials.items() if not ok and (hi is None or k < hi)]
+        return (max(failing) if failing else None), hi
+
+    def non_monotone(self) -> bool:
+        """A cap that failed above one that passed: the run's outcome is not monotone in the cap."""
+        _, hi = self.bracket()
+        return hi is not None and any(not ok and k > hi for k, ok in self.trials.items())
+
+    def done(self) -> bool:
+        lo, hi = self.bracket()
+        if hi is None:
+            return lo is not None and lo >= self.ceiling
+        if lo is None:
+            return hi <= self.floor
+        return hi - lo <= self.tolerance + 1e-9
+
+    def propose(self, m: int) -> list:
+        """Up to `m` (>= 1) caps to try next, each untried: an (m+1)-way split of the bracket, or points
+        towards the side not yet bounded."""
+        lo, hi = self.bracket()
+        if self.done():
+            return []
+        if hi is None:  # nothing passed yet: climb from the highest failure, doubling the step
+            points, step = [], max(0.05, lo * 0.05)
+            k = lo
+            while len(points) < m and k < self.ceiling:
+                k = min(self.ceiling, k + step)
+                points.append(k)
+                step *= 2
+        elif lo is None:  # nothing failed below the lowest pass: the floor, then between
+            points = [self.floor] + [self.floor + (hi - self.floor) * j / m for j in range(1, m)]
+        else:
+            points = [lo + (hi - lo) * j / (m + 1) for j in range(1, m + 1)]
+        out = []
+        for k in points:
+            k = round(k, 4)
+            if k not in self.trials and k not in out and (hi is None or k < hi) and (lo is None or k > lo):
+                out.append(k)
+        if not out and lo is not None and hi is not None:  # 4-digit points all tried: the midpoint
+            out = [round((lo + hi) / 2, 5)]
+        return out
+
+    def result(self) -> dict:
+        lo, hi = self.bracket()
+        return dict(lowest_cap=hi, highest_failing=lo, converged=self.done(), non_monotone=self.non_monotone(),
+                    trials={f"{k:.4f}": ok for k, ok in sorted(self.trials.items())})
+
+
+# ----------------------------------------------------------------------------- running trials
+
+
+@dataclass
+class Trial:
+    workload: str
+    allocator: str
+    cap: float | None                  # in units of P; None: uncapped
+    stop_on_oom: bool
+    result: dict | None = None
+
+
+class Runner:
+    """Starts workers (bench/pressure_workloads.py), alone or several at once under a memory budget."""
+
+    def __init__(self, args):
+        self.args = args
+        self.peak = {}    # workload -> P (native's uncapped peak allocated bytes)
+        self.total = 0    # the device's memory, from the first run
+        self.log = []     # every trial's result, for the JSON output
+
+    def command(self, t: Trial) -> list:
+        cmd = [sys.executable, WORKER, t.workload, t.allocator if self.args.device == "cuda" else "none",
+               "--device", self.args.device]
+        if self.args.device == "cpu":
+            cmd.append("--tiny")
+        if self.args.quick:
+            cmd.append("--quick")
+        if t.cap is not None:
+            cmd += ["--fraction", f"{self.fraction(t):.8f}"]
+        if t.stop_on_oom:
+            cmd.append("--stop-on-oom")
+        return cmd
+
+    def fraction(self, t: Trial) -> float:
+        return min(1.0, t.cap * self.peak[t.workload] / self.total)
+
+    def cap_bytes(self, t: Trial) -> int:
+        return int(self.fraction(t) * self.total) if t.cap is not None else self.total
+
+    def _start(self, t: Trial):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        return subprocess.Popen(self.command(t), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+
+    def _finish(self, t: Trial, proc) -> None:
+        out, err = proc.communicate()
+        line = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
+        if proc.returncode != 0 or line is None:
+            tail = (err or out).strip().splitlines()[-3:]
+            t.result = dict(error=" | ".join(tail) or f"exit {proc.returncode}", ooms=None)
+        else:
+            t.result = json.loads(line)
+        self.log.append(dict(t.result, workload=t.workload, allocator=t.allocator, cap=t.cap))
+
+    def alone(self, t: Trial) -> dict:
+        self._finish(t, self._start(t))
+        return t.result
+
+    def parallel(self, trials: list) -> None:
+        """Runs the trials, as many at once as --jobs and the device's memory allow; a trial that met
+        a device short of memory runs again alone."""
+        budget = DEVICE_SHARE * self.total
+        queue, running, retry = list(trials), [], []
+        while queue or running:
+            used = sum(self.cap_bytes(t) + CONTEXT_BYTES for t, _ in running)
+            while queue and len(running) < self.args.jobs and (
+                    not running or used + self.cap_bytes(queue[0]) + CONTEXT_BYTES <= budget):
+                t = queue.pop(0)
+                running.append((t, self._start(t)))
+                used += self.cap_bytes(t) + CONTEXT_BYTES
+            time.sleep(0.2)
+            for t, proc in [r for r in running if r[1].poll() is not None]:
+                running.remove((t, proc))
+                self._finish(t, proc)
+                if t.result.get("device_short"):
+                    retry.append(t)
+        for t in retry:
+            self.alone(t)
+
+
+def passed(result: dict) -> bool:
+    return result.get("error") is None and result.get("ooms") == 0
+
+
+# ----------------------------------------------------------------------------- one workload
+
+
+def measure(workload: str, allocators: list, runner: Runner, args, deadline: float) -> dict:
+    rows = {a: dict(workload=workload, allocator=a) for a in allocators}
+    first = "native" if "native" in allocators else allocators[0]
+    for a in [first] + [a for a in allocators if a != first]:
+        r = runner.alone(Trial(workload, a, None, False))
+        rows[a].update(uncapped_step_ms=r.get("step_ms"), uncapped_ooms=r.get("ooms"), error=r.get("error"),
+                       max_allocated=r.get("max_allocated"), max_reserved=r.get("max_reserved"),
+                       device=r.get("device"))
+        if r.get("max_allocated") and r.get("max_reserved"):
+            rows[a]["reserved_over_allocated"] = r["max_reserved"] / r["max_allocated"]
+        if a == first:
+            if r.get("error") or not r.get("max_allocated"):
+                if args.device == "cpu":
+                    return dict(rows=list(rows.values()))
+                raise SystemExit(f"{workload}: the uncapped {a} run gave no peak: {r.get('error')}")
+            runner.peak[workload] = r["max_allocated"]
+            runner.total = runner.total or r["total_bytes"]
+    if args.device == "cpu":
+        return dict(rows=list(rows.values()))
+    P = runner.peak[workload]
+    ceiling = DEVICE_SHARE * runner.total / P
+    searches = {a: Search(args.tolerance, ceiling) for a in allocators if not rows[a].get("error")}
+    for a in searches:
+        r = runner.alone(Trial(workload, a, TIMED_CAP, False))
+        rows[a].update(capped_step_ms=r.get("step_ms"), capped_ooms=r.get("ooms"), capped_error=r.get("error"))
+        if r.get("error") is None:
+            searches[a].record(TIMED_CAP, passed(r))
+    rounds = 0
+    while any(not s.done() for s in searches.values()) and time.monotonic() < deadline:
+        active = [a for a, s in searches.items() if not s.done()]
+        # The largest cap a trial of this round may take, for how many fit on the device at once.
+        highest = max(searches[a].bracket()[1] or min(ceiling, 2 * (searches[a].bracket()[0] or 1))
+                      for a in active)
+        room = max(1, min(args.jobs, int(DEVICE_SHARE * runner.total // (highest * P + CONTEXT_BYTES))))
+        trials = [Trial(workload, a, k, True)
+                  for a in active for k in searches[a].propose(max(1, room // len(active)))]
+        if not trials:
+            break
+        runner.parallel(trials)
+        for t in trials:
+            if t.result.get("error") is None:
+                searches[t.allocator].record(t.cap, passed(t.result))
+            else:
+                rows[t.allocator].setdefault("trial_errors", []).append(t.result["error"])
+                searches[t.allocator].record(t.cap, False)
+        rounds += 1
+    for a, s in searches.items():
+        rows[a].update(s.result())
+    return dict(peak_allocated=P, total_bytes=runner.total, rounds=rounds, rows=list(rows.values()))
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def cap_text(row):
+    hi, lo = row.get("lowest_cap"), row.get("highest_failing")
+    if hi is None:
+        return f">{lo:.3f}" if lo is not None else "-"
+    text = f"{hi:.4f}" if lo is not None else f"<={hi:.3f}"
+    return text + ("" if row.get("converged") else "?")
+
+
+def table(results: dict) -> str:
+    lines = [f"{'workload':9s} {'allocator':10s} {'0-OOM cap':>10s} {'vs best':>8s} {'ms free':>8s} "
+             f"{'vs best':>8s} {'ms @1.05':>8s} {'ooms':>4s} {'vs exp':>7s} {'res/alloc':>9s}"]
+    for w, res in results.items():
+        rows = res["rows"]
+        torch_rows = [r for r in rows if r["allocator"] in TORCH_ALLOCATORS]
+        best_cap = min((r["lowest_cap"] for r in torch_rows if r.get("lowest_cap")), default=None)
+        best_ms = min((r["uncapped_step_ms"] for r in torch_rows if r.get("uncapped_step_ms")), default=None)
+        exp_ms = next((r.get("capped_step_ms") for r in rows if r["allocator"] == "expandable"), None)
+        for r in rows:
+            cap, ms, cms = r.get("lowest_cap"), r.get("uncapped_step_ms"), r.get("capped_step_ms")
+            lines.append(
+                f"{w:9s} {r['allocator']:10s} {cap_text(r):>10s} "
+                f"{fmt(cap / best_cap if cap and best_cap else None):>8s} {fmt(ms, '.1f'):>8s} "
+                f"{fmt(ms / best_ms if ms and best_ms else None):>8s} {fmt(cms, '.1f'):>8s} "
+                f"{fmt(r.get('capped_ooms'), 'd'):>4s} {fmt(cms / exp_ms if cms and exp_ms else None):>7s} "
+                f"{fmt(r.get('reserved_over_allocated')):>9s}" + (f"  error: {r['error']}" if r.get("error") else ""))
+    lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
+                 "unfinished, '>x': none up to x); vs best: / the best PyTorch allocator's; ms free: step time "
+                 "uncapped; ms @1.05: at a 1.05x cap (ooms: its OOM steps), vs exp: / expandable_segments'.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def rmm_importable() -> bool:
+    r = subprocess.run([sys.executable, "-c", "import rmm.allocators.torch"], capture_output=True)
+    return r.returncode == 0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
+    ap.add_argument("--allocators", default=None,
+                    help=f"comma-separated, from {','.join(ALLOCATORS)} (default: all; rmm where it imports)")
+    ap.add_argument("--quick", action="store_true", help="half the steps, a 1%% tolerance")
+    ap.add_argument("--tolerance", type=float, default=None, help="search resolution in units of P (0.0025)")
+    ap.add_argument("--jobs", type=int, default=8, help="trials at once on the GPU, at most")
+    ap.add_argument("--budget-s", type=float, default=420, help="no new search round after this many seconds")
+    ap.add_argument("--json", help="write every figure and trial to this file")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: each workload's code once, tiny, no allocator or cap (CI)")
+    args = ap.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.workloads:
+        ap.error(f"unknown workload(s) {bad}; choose from {','.join(WORKLOADS)}")
+    if args.allocators is None:
+        args.allocators = [a for a in ALLOCATORS if a != "rmm"]
+        args.rmm_auto = True
+    else:
+        args.allocators = [a for a in args.allocators.split(",") if a]
+        args.rmm_auto = False
+        bad = [a for a in args.allocators if a not in ALLOCATORS]
+        if bad or not args.allocators:
+            ap.error(f"unknown allocator(s) {bad}; choose from {','.join(ALLOCATORS)}")
+    if args.tolerance is None:
+        args.tolerance = 0.01 if args.quick else 0.0025
+    if not 0 < args.tolerance < 1:
+        ap.error("--tolerance must be in (0, 1)")
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    return args
+
+
+def plan(args) -> str:
+    lines = [f"device {args.device}; workloads {', '.join(args.workloads)}; allocators "
+             f"{', '.join(args.allocators)}{' (+rmm if it imports)' if args.rmm_auto else ''}"]
+    for w in args.workloads:
+        lines.append(f"{w}: uncapped alone x{len(args.allocators)} (native first: P)"
+                     + ("" if args.device == "cpu" else
+                        f"; {TIMED_CAP}x P alone x{len(args.allocators)}; bisection of the 0-OOM cap in "
+                        f"[{FLOOR}, 0.9 total / P] to {args.tolerance:g} P, up to {args.jobs} trials at once"))
+    lines.append(f"no new round after {args.budget_s:g} s" + ("; --quick: half the steps" if args.quick else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.rmm_auto and args.device == "cuda" and not args.dry_run and rmm_importable():
+        args.allocators.append("rmm")
+    print(plan(args), flush=True)
+    if args.dry_run:
+        return 0
+    start = time.monotonic()
+    runner = Runner(args)
+    results = {}
+    for w in args.workloads:
+        t0 = time.monotonic()
+        results[w] = measure(w, args.allocators, runner, args, start + args.budget_s)
+        print(f"{w}: {time.monotonic() - t0:.0f} s", flush=True)
+    print(table(results), flush=True)
+    doc = dict(args=dict(vars(args)), results=results, trials=runner.log, seconds=time.monotonic() - start)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(json.dumps(dict((w, {r["allocator"]: r.get("lowest_cap") for r in res["rows"]})
+                          for w, res in results.items())), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""The workloads of bench/pressure.py and the one-run worker it starts, one process per run.
+
+    python bench/pressure_workloads.py WORKLOAD ALLOCATOR [--fraction F] [--stop-on-oom] [--quick]
+    python bench/pressure_workloads.py WORKLOAD none --device cpu --tiny     # the code path, on the CPU
+
+Prints one JSON line: OOM steps, step time, torch's peak allocated / reserved bytes, the device's
+total. Each workload is a fixed sequence of steps drawn from a seeded generator before the first step,
+so every allocator sees the same shapes in the same order; each takes a few seconds on an H100.
+
+WORKLOAD   allocfree  torch.empty + free from Python, sizes 256 B to 64 MiB, at most 32 alive
+           varlen     GPT training, a new sequence length (and batch) every step
+           resnet     ResNet-50 training at one shape
+           vit        ViT training (patch embedding + encoder) at one shape
+           moe        mixture-of-experts training: top-2 routing by a frozen router, so each expert's
+                      batch size depends on the data and changes every step
+           bert       BERT-like encoder inference, batch size and sequence length new every step
+           generate   autoregressive generation, the KV cache grown by one token per decode step
+                      (torch.cat: a new, larger cache every token), prompt and batch new per request
+           ckpt       LLaMA-style training (RMSNorm, SwiGLU, SDPA) with activation checkpointing,
+                      a new sequence length every step
+ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gpumem | rmm (RAPIDS
+           RMM's pool through rmm_torch_allocator, capped by its maximum pool size) | none (CPU only)
+
+--fraction F caps the run with torch.cuda.set_per_process_memory_fraction(F) (rmm: a pool of at most
+F * total bytes). A step that raises an out-of-memory error counts as one OOM step and the run goes on
+with the next step; --stop-on-oom ends the run at the first (what a bisection needs to know).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALLOCATORS = ("native", "expandable", "async", "gpumem", "rmm")
+TORCH_ALLOC_CONF = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
+WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", "ckpt")
+# Bytes of device memory one worker uses outside its cap (CUDA context, cuBLAS/cuDNN handles): the
+# driver keeps the parallel trials' caps plus this under the device's memory.
+CONTEXT_BYTES = 900 << 20
+
+
+def select_allocator(name: str, fraction: float | None) -> None:
+    """Make `name` torch's CUDA allocator; before anything starts CUDA (rmm: after, see rmm_pool)."""
+    if name == "gpumem":
+        import gpumem  # noqa: F401  registers itself as torch's CUDA allocator
+    elif name in TORCH_ALLOC_CONF:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = TORCH_ALLOC_CONF[name]
+    elif name == "rmm":
+        import rmm  # noqa: F401  fails here, clearly, where RMM is not installed
+        import torch
+        from rmm.allocators.torch import rmm_torch_allocator
+
+        torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+
+
+def rmm_pool(fraction: float | None, total: int):
+    """RAPIDS RMM's pool as the current device resource, at most fraction * total bytes (256-aligned)."""
+    import rmm
+
+    limit = int(fraction * total) // 256 * 256 if fraction else None
+    base = rmm.mr.CudaMemoryResource()
+    pool = rmm.mr.PoolMemoryResource(base, initial_pool_size=min(limit or 1 << 30, 1 << 30) // 256 * 256,
+                                     maximum_pool_size=limit)
+    stats = rmm.mr.StatisticsResourceAdaptor(pool)
+    rmm.mr.set_current_device_resource(stats)
+    return stats
+
+
+# ----------------------------------------------------------------------------- the models
+
+
+def build_models():
+    """The networks, defined once torch is imported (this module imports without torch)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class RMSNorm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    class LlamaBlock(nn.Module):
+        """Pre-norm attention (SDPA, causal) and SwiGLU MLP, no biases."""
+
+        def __init__(self, d, heads, hidden):
+            super().__init__()
+            self.heads = heads
+            self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
+            self.out = nn.Linear(d, d, bias=False)
+            self.gate_up = nn.Linear(d, 2 * hidden, bias=False)
+            self.down = nn.Linear(hidden, d, bias=False)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True)
+            x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+            gate, up = self.gate_up(self.n2(x)).chunk(2, dim=-1)
+            return x + self.down(F.silu(gate) * up)
+
+    class Llama(nn.Module):
+        def __init__(self, vocab, d, layers, heads, hidden, checkpointed):
+            super().__init__()
+            self.checkpointed = checkpointed
+            self.emb = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(LlamaBlock(d, heads, hidden) for _ in range(layers))
+            self.norm = RMSNorm(d)
+            self.head = nn.Linear(d, vocab, bias=False)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for blk in self.blocks:
+                x = checkpoint(blk, x, use_reentrant=False) if self.checkpointed else blk(x)
+            return self.head(self.norm(x))
+
+    class MoE(nn.Module):
+        """A token-level mixture of experts: a frozen router picks 2 of `experts` MLPs per token; each
+        expert runs on the tokens routed to it (index_select / index_add_), so its batch is whatever
+        the data sends it."""
+
+        def __init__(self, d, hidden, experts, layers):
+            super().__init__()
+            self.router = nn.ModuleList(nn.Linear(d, experts, bias=False) for _ in range(layers))
+            for r in self.router:
+                r.requires_grad_(False)
+            self.experts = nn.ModuleList(
+                nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+                              for _ in range(experts)) for _ in range(layers))
+            self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+
+        def forward(self, x):
+            for router, experts, norm in zip(self.router, self.experts, self.norms):
+                h = norm(x)
+                weight, chosen = torch.topk(router(h).softmax(-1), 2, dim=-1)
+                out = torch.zeros_like(h)
+                for e, expert in enumerate(experts):
+                    token, slot = (chosen == e).nonzero(as_tuple=True)  # data-dependent size
+                    if token.numel():
+                        y = expert(h.index_select(0, token)) * weight[token, slot].unsqueeze(-1)
+                        out = out.index_add(0, token, y.to(out.dtype))
+                x = x + out
+            return x
+
+    class ViT(nn.Module):
+        def __init__(self, image, patch, d, layers, heads, classes):
+            super().__init__()
+            self.patch = nn.Conv2d(3, d, patch, patch)
+            n = (image // patch) ** 2
+            self.cls = nn.Parameter(torch.zeros(1, 1, d))
+            self.pos = nn.Parameter(torch.zeros(1, n + 1, d))
+            self.encoder = nn.ModuleList(
+                nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(layers))
+            self.head = nn.Linear(d, classes)
+
+        def forward(self, x):
+            x = self.patch(x).flatten(2).transpose(1, 2)
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+            for layer in self.encoder:
+                x = layer(x)
+            return self.head(x[:, 0])
+
+    return dict(Llama=Llama, MoE=MoE, ViT=ViT)
+
+
+def bench_models():
+    """bench/models.py (GPT, resnet50), beside this file."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import models
+
+    return models
+
+
+# ----------------------------------------------------------------------------- the workloads
+# Each returns (steps, warm-up steps, step(i)); step(i) runs step i and drops what it made. The
+# shapes are drawn before the first step. `tiny` shrinks every dimension for the CPU path.
+
+
+def _train_step(torch, model, opt, loss_fn):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss = loss_fn(model)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def w_allocfree(torch, tiny, rng):
+    n = 200 if tiny else 20000
+    sizes = [rng.choice((256, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)) for _ in range(n)]
+    drops = [rng.random() for _ in range(n)]
+    live: list = []
+    chunk = 50 if tiny else 2000  # ten steps: an OOM is counted per step
+
+    def step(i):
+        for j in range(i * chunk, (i + 1) * chunk):
+            live.append(torch.empty(sizes[j] // (64 if tiny else 1), dtype=torch.uint8, device=DEVICE))
+            if len(live) > 32:
+                del live[int(drops[j] * len(live))]
+    return n // chunk, 1, step
+
+
+def w_lm(torch, tiny, rng, *, checkpointed):
+    """varlen (GPT, bench/models.py) or ckpt (Llama with checkpointing): a length drawn per step."""
+    import torch.nn.functional as F
+
+    if checkpointed:
+        vocab, d, layers, heads, tokens = (512, 64, 2, 4, 256) if tiny else (32000, 1024, 12, 16, 16384)
+        model = build_models()["Llama"](vocab, d, layers, heads, 8 * d // 3 // 64 * 64, True)
+        lengths = (64, 128) if tiny else (256, 512, 1024, 1536, 2048, 3072, 4096)
+    else:
+        vocab, d, layers, heads, tokens = (512, 64, 2, 4, 256) if tiny else (32000, 768, 8, 12, 12288)
+        model = bench_models().GPT(vocab=vocab, d=d, layers=layers, heads=heads)
+        lengths = (32, 64) if tiny else (128, 256, 384, 512, 768, 1024, 1536, 2048)
+    model = model.to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    steps = 3 if tiny else 14
+    shapes = []
+    for _ in range(steps):
+        seq = rng.choice(lengths)
+        shapes.append((max(1, tokens // seq + rng.randint(-2, 2)), seq))
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    data = [torch.randint(0, vocab, s, generator=gen) for s in shapes]
+
+    def step(i):
+        ids = data[i].to(DEVICE)
+        _train_step(torch, model, opt, lambda m: F.cross_entropy(m(ids).float().flatten(0, 1), ids.flatten()))
+    return steps, 1, step
+
+
+def w_image(torch, tiny, rng, *, vit):
+    import torch.nn.functional as F
+
+    if vit:
+        image, batch = (32, 4) if tiny else (224, 96)
+        model = build_models()["ViT"](image, 16, 64 if tiny else 768, 2 if tiny else 8, 4 if tiny else 12, 1000)
+        model = model.to(DEVICE)
+    else:
+        image, batch = (32, 4) if tiny else (224, 96)
+        model = bench_models().resnet50().to(DEVICE, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    x = torch.randn(batch, 3, image, image, generator=gen).to(DEVICE)
+    if not vit:
+        x = x.to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), generator=gen).to(DEVICE)
+
+    def step(i):
+        _train_step(torch, model, opt, lambda m: F.cross_entropy(m(x), y))
+    return (2 if tiny else 10), 2, step
+
+
+def w_moe(torch, tiny, rng):
+    d, hidden, experts, layers = (32, 64, 4, 2) if tiny else (1024, 2048, 8, 4)
+    model = build_models()["MoE"](d, hidden, experts, layers).to(DEVICE)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    steps = 3 if tiny else 14
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    centres = torch.randn(experts, d, generator=gen) * 2
+    data = []
+    for _ in range(steps):
+        # Tokens clustered around a few centres, weighted anew each step: the experts' loads swing.
+        n = rng.randint(64, 128) if tiny else rng.randint(12288, 24576)
+        weights = torch.tensor([rng.random() ** 3 for _ in range(experts)])
+        which = torch.multinomial(weights / weights.sum(), n, replacement=True, generator=gen)
+        data.append(centres[which] + torch.randn(n, d, generator=gen))
+
+    def step(i):
+        x = data[i].to(DEVICE)
+        _train_step(torch, model, opt, lambda m: m(x).float().pow(2).mean())
+    return steps, 1, step
+
+
+def w_bert(torch, tiny, rng):
+    d, layers, heads = (64, 2, 4) if tiny else (768, 12, 12)
+    enc = nn_encoder(torch, d, layers, heads).to(DEVICE, torch.bfloat16).eval()
+    emb = torch.nn.Embedding(512 if tiny else 30522, d).to(DEVICE, torch.bfloat16)
+    steps = 4 if tiny else 40
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    shapes = [(rng.randint(1, 8 if tiny else 256), rng.choice((16, 32) if tiny else (32, 64, 128, 256, 384, 512)))
+              for _ in range(steps)]
+    data = [torch.randint(0, emb.num_embeddings, s, generator=gen) for s in shapes]
+
+    def step(i):
+        with torch.no_grad():
+            ids = data[i].to(DEVICE)
+            pad = ids == 0  # a padding mask, as batched inference has
+            out = enc(emb(ids), src_key_padding_mask=pad)
+            out[:, 0].float().sum().item()
+    return steps, 1, step
+
+
+def nn_encoder(torch, d, layers, heads):
+    layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+def w_generate(torch, tiny, rng):
+    """GPT-2 small shaped decoder, bf16 inference: prefill a prompt, then decode token by token with
+    a per-layer KV cache that grows by torch.cat (each token a new, slightly larger cache)."""
+    import torch.nn.functional as F
+
+    vocab, d, layers, heads = (512, 64, 2, 4) if tiny else (50257, 768, 12, 12)
+    hd = d // heads
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    w = dict(emb=torch.randn(vocab, d, generator=gen) * 0.02,
+             qkv=[torch.randn(d, 3 * d, generator=gen) * 0.02 for _ in range(layers)],
+             out=[torch.randn(d, d, generator=gen) * 0.02 for _ in range(layers)],
+             up=[torch.randn(d, 4 * d, generator=gen) * 0.02 for _ in range(layers)],
+             down=[torch.randn(4 * d, d, generator=gen) * 0.02 for _ in range(layers)])
+    w = {k: ([t.to(DEVICE, torch.bfloat16) for t in v] if isinstance(v, list) else v.to(DEVICE, torch.bfloat16))
+         for k, v in w.items()}
+    requests = 2 if tiny else 6
+    shapes = [(rng.randint(2, 4) if tiny else rng.randint(8, 48), rng.randint(8, 16) if tiny else rng.randint(128, 768),
+               4 if tiny else rng.randint(96, 160)) for _ in range(requests)]
+
+    def forward(x, cache, causal):
+        b, t, _ = x.shape
+        for li in range(layers):
+            h = F.layer_norm(x, (d,))
+            q, k, v = (h @ w["qkv"][li]).view(b, t, 3, heads, hd).transpose(1, 3).unbind(2)
+            if cache[li] is not None:
+                k, v = torch.cat([cache[li][0], k], 2), torch.cat([cache[li][1], v], 2)
+            cache[li] = (k, v)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            x = x + a.transpose(1, 2).reshape(b, t, d) @ w["out"][li]
+            x = x + F.gelu(F.layer_norm(x, (d,)) @ w["up"][li]) @ w["down"][li]
+        return F.layer_norm(x, (d,)) @ w["emb"].T
+
+    def step(i):
+        batch, prompt, new = shapes[i]
+        with torch.no_grad():
+            ids = torch.randint(0, vocab, (batch, prompt), device=DEVICE)
+            cache: list = [None] * layers
+            logits = forward(w["emb"][ids], cache, True)
+            for _ in range(new):
+                nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+                logits = forward(w["emb"][nxt], cache, False)
+            logits.sum().item()
+    return requests, 1, step
+
+
+def make_workload(name, torch, tiny, seed=0):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    return {"allocfree": lambda: w_allocfree(torch, tiny, rng),
+            "varlen": lambda: w_lm(torch, tiny, rng, checkpointed=False),
+            "ckpt": lambda: w_lm(torch, tiny, rng, checkpointed=True),
+            "resnet": lambda: w_image(torch, tiny, rng, vit=False),
+            "vit": lambda: w_image(torch, tiny, rng, vit=True),
+            "moe": lambda: w_moe(torch, tiny, rng),
+            "bert": lambda: w_bert(torch, tiny, rng),
+            "generate": lambda: w_generate(torch, tiny, rng)}[name]()
+
+
+# ----------------------------------------------------------------------------- one run
+
+DEVICE = None  # torch.device of the run, set by run()
+
+
+def is_oom(error: BaseException) -> bool:
+    """torch's OutOfMemoryError, or a library's allocation failure under a cap (cuBLAS, cuDNN)."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+
+
+def run(args) -> dict:
+    global DEVICE
+    if args.device == "cpu" and args.allocator != "none":
+        raise SystemExit("--device cpu runs the workloads' code only: the allocator must be 'none'")
+    if args.allocator != "rmm" and args.allocator != "none":
+        select_allocator(args.allocator, args.fraction)  # before torch starts CUDA
+    import torch
+
+    DEVICE = torch.device(args.device)
+    total = 0
+    stats = None
+    if DEVICE.type == "cuda":
+        if args.allocator == "rmm":
+            select_allocator("rmm", args.fraction)
+        torch.cuda.init()
+        total = torch.cuda.mem_get_info()[1]
+        if args.allocator == "rmm":
+            stats = rmm_pool(args.fraction, total)
+        elif args.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(args.fraction)
+        torch.empty(1, device=DEVICE)
+    torch.backends.cudnn.benchmark = False  # algorithm choice (and its workspace) the same every run
+    steps, warmup, step = make_workload(args.workload, torch, args.tiny, args.seed)
+    if args.quick:
+        steps = max(warmup + 2, math.ceil(steps / 2))
+    ooms, first_oom, oom_text, device_short = 0, None, "", False
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
+    t0 = None
+    for i in range(steps):
+        if i == min(warmup, steps - 1):
+            sync()
+            t0 = time.perf_counter()
+        try:
+            step(i)
+        except Exception as e:  # noqa: BLE001  an OOM is counted; anything else ends the run
+            if not is_oom(e):
+                raise
+            ooms += 1
+            first_oom = i if first_oom is None else first_oom
+            oom_text = str(e).splitlines()[0][:300]
+            if DEVICE.type == "cuda":
+                # The device itself short (other runs beside this one), not this run's cap: the driver
+                # runs the trial again alone.
+                device_short |= torch.cuda.mem_get_info()[0] < CONTEXT_BYTES
+            if args.stop_on_oom:
+                break
+    sync()
+    timed = steps - min(warmup, steps - 1)
+    result = dict(workload=args.workload, allocator=args.allocator, fraction=args.fraction, steps=steps,
+                  ooms=ooms, first_oom_step=first_oom, oom=oom_text, device_short=device_short,
+                  step_ms=None if ooms and args.stop_on_oom else 1000 * (time.perf_counter() - t0) / timed,
+                  total_bytes=total, device=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu")
+    if DEVICE.type == "cuda":
+        if stats is not None:  # rmm: its statistics adaptor (no torch figures for a pluggable allocator)
+            counts = stats.allocation_counts
+            result.update(max_allocated=int(counts["peak_bytes"]), max_reserved=None)
+        else:
+            result.update(max_allocated=torch.cuda.max_memory_allocated(),
+                          max_reserved=torch.cuda.max_memory_reserved())
+    return result
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", choices=WORKLOADS)
+    ap.add_argument("allocator", choices=ALLOCATORS + ("none",))
+    ap.add_argument("--fraction", type=float, help="set_per_process_memory_fraction (0, 1]")
+    ap.add_argument("--stop-on-oom", action="store_true", help="end the run at its first OOM step")
+    ap.add_argument("--quick", action="store_true", help="half the steps")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true", help="every dimension shrunk (the CPU path)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.fraction is not None and not 0 < args.fraction <= 1:
+        ap.error(f"--fraction must be in (0, 1], got {args.fraction}")
+    return args
+
+
+def main(argv=None) -> int:
+    print(json.dumps(run(parse_args(argv))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,7 +33,7 @@ struct Driver {
   X(cuDevicePrimaryCtxRetain) X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuMemGetInfo) X(cuMemAlloc) \
   X(cuMemFree) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)           \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)    \
-  X(cuEventRecord) X(cuEventQuery) X(cuEventDestroy) X(cuStreamSynchronize)                          \
+  X(cuEventRecord) X(cuEventQuery) X(cuEventDestroy) X(cuEventSynchronize) X(cuStreamSynchronize)                          \
   X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)
   GPUMEM_DRIVER_FNS(GPUMEM_DRIVER_FN)
   bool loaded = false;
@@ -139,6 +139,10 @@ class CudaUpstreamBase : public Upstream {
   void destroy_event(EventId event) override {
     ContextScope scope(context_);
     check(driver().cuEventDestroy(reinterpret_cast<CUevent>(event)), "cuEventDestroy");
+  }
+  void wait_event(EventId event) override {
+    ContextScope scope(context_);
+    check(driver().cuEventSynchronize(reinterpret_cast<CUevent>(event)), "cuEventSynchronize");
   }
   void synchronize(StreamId stream) override {
     ContextScope scope(context_);

@@ -44,6 +44,12 @@ Pool::~Pool() {
     } catch (...) {
     }
   }
+  for (auto& draining : draining_) {  // their pages are still mapped: unmapped below with the rest
+    try {
+      upstream_->destroy_event(draining.event);
+    } catch (...) {
+    }
+  }
   for (auto& arena : arenas_) {
     try {
       if (!arena->regions.empty()) upstream_->synchronize(arena->stream);
@@ -308,7 +314,12 @@ bool Pool::ensure_mapped(Block* block) {
        run = pages.next_unmapped_run(run.end, touched.end)) {
     const std::uintptr_t address = pages.address_of(run.first);
     const std::size_t bytes = pages.bytes_of(run);
-    if (!upstream_->map(address, bytes, pages.page())) return false;
+    // The device says no: pages still draining hold memory it will have back; wait for them, oldest
+    // first, before giving up.
+    while (!upstream_->map(address, bytes, pages.page())) {
+      if (draining_.empty()) return false;
+      reap_drained(/*wait_oldest=*/true);
+    }
     stats_.num_device_alloc++;
     pages.mark_mapped(run);
     add_reserved(region, static_cast<std::int64_t>(bytes));
@@ -451,6 +462,7 @@ void Pool::process_events() {
   std::lock_guard<std::mutex> lock(mutex_);
   GPUMEM_VALIDATE_ON_RETURN();
   recycle_completed();
+  if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
 }
 
 void Pool::recycle_completed() {

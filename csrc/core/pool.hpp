@@ -15,8 +15,11 @@
 //    the cap or the device runs short: then fully free pages anywhere, even between live blocks, are
 //    unmapped and mapped again where the request needs them, so fragmentation never causes an OOM.
 //    Policy "high_water" also does this before reserving past the highest live bytes so far (plus a
-//    slack), keeping reserved within a page or two of live; each such release synchronises the
-//    stream, which costs step time on a GPU (README, benchmarks).
+//    slack), keeping reserved within a page or two of live.
+//  - Releasing pages never synchronises the device (pool_drain.cpp): the pages are carved out of their
+//    free block as a "draining" block, tagged with an event recorded on the arena's stream, and
+//    unmapped once that event has completed (polled). Only an allocation that nothing else can serve
+//    waits, and then for the oldest draining event first.
 //  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.
@@ -30,6 +33,7 @@
 //                            events, arenas and regions, mapping a block's pages, split and merge
 //   pool_allocate_at.cpp     allocate_at: a block carved at a given address
 //   pool_release.cpp         giving memory back: make_room, release_cached, trim, the cap and limit
+//   pool_drain.cpp           draining pages: released pages unmapped once their stream's event completed
 //   pool_introspection.cpp   stats, snapshot, largest free block, live-block queries, export, OOM text
 //   pool_validate.cpp        validate(), the invariant checker
 //   pool_debug.hpp           the validate-every-op check of debug builds (GPUMEM_VALIDATE_EVERY_OP)
@@ -84,7 +88,9 @@ struct BlockInfo {
   std::uintptr_t address;
   std::size_t size;
   std::size_t requested;  // 0 unless allocated
-  enum State { kFree, kAllocated, kPending } state;
+  enum State { kFree, kAllocated, kPending, kDraining } state;
+  // kDraining: free, but its pages are being given back (unmapped once an event on its stream has
+  // completed); snapshots show it as an inactive block.
   // Free blocks: what the last allocation that began here asked for (0 if none), as PyTorch's
   // allocator shows inactive blocks in its memory snapshots.
   std::size_t last_requested = 0;
@@ -194,6 +200,12 @@ class Pool {
   };
   ExportedBlock export_block(std::uintptr_t address);
   std::size_t reserved_bytes() const;
+  // Bytes of pages released but not yet unmapped (still reserved): they go back once the work queued
+  // on their stream when they were released has completed (pool_drain.cpp).
+  std::size_t draining_bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return draining_bytes_;
+  }
 
   // Called after every successful map, unmap, segment allocation and segment free (including those
   // of trim(), set_cap(), set_limit() and releases under the cap; not those of the destructor), for
@@ -254,6 +266,12 @@ class Pool {
     Block* block;
     EventId event;
   };
+  // A draining block (whole mapped pages, out of the free index) and the event after which its pages
+  // can be unmapped. Oldest first.
+  struct Draining {
+    Block* block;
+    EventId event;
+  };
 
   class ValidateOnReturn;  // the validate-every-op debug check (pool_debug.hpp)
   void validate_locked() const;
@@ -278,6 +296,15 @@ class Pool {
   std::size_t release_cached(std::size_t target, bool rethrow = false);
   std::size_t release_cached_units(std::size_t target);
   std::size_t release_pages_of(Block* block, std::size_t target);
+  // pool_drain.cpp. Unmaps the draining blocks whose events have completed (never waits), and with
+  // `wait_oldest` first waits for the oldest one's event. Returns the bytes unmapped. A driver error
+  // on unmap leaves that block's pages mapped, as a free (cached) block; rethrown with `rethrow`.
+  std::size_t reap_drained(bool wait_oldest, bool rethrow = false);
+  // Waits for every draining block and unmaps it. Returns the bytes unmapped.
+  std::size_t drain_all(bool rethrow = false);
+  // Takes the whole pages [address, address + bytes) out of the free block `free_block` holding them
+  // as a draining block tagged with `event`; the pieces before and after stay free.
+  Block* start_draining(Block* free_block, std::uintptr_t address, std::size_t bytes, EventId event);
   void split(Block* block, std::size_t size);
   void insert_free(Block* block);
   void return_to_arena(Block* block);
@@ -317,6 +344,8 @@ class Pool {
   Arena* last_arena_[2] = {nullptr, nullptr};  // last arena used, large [0] and small [1]
   AddressMap<Block*> live_;  // allocated and pending blocks by address
   std::deque<PendingFree> pending_;
+  std::deque<Draining> draining_;
+  std::size_t draining_bytes_ = 0;  // bytes of the draining blocks (still mapped, still reserved)
   std::size_t live_high_water_ = 0;  // highest active bytes so far (not reset by reset_peak_stats)
   mutable DeviceStats stats_;
   std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap

@@ -39,6 +39,14 @@ std::uintptr_t Pool::allocate_at(std::uintptr_t address, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   GPUMEM_VALIDATE_ON_RETURN();
   if (!pending_.empty()) recycle_completed();  // finished pending frees count as free
+  // Draining pages are free memory on their way back: a range over them waits for them (restoring a
+  // CUDA-graph checkpoint is rare; the wait is only as long as the device's queued work). A range
+  // clear of them changes nothing here.
+  for (const Draining& d : draining_)
+    if (address < d.block->address + d.block->size && d.block->address < address + rounded) {
+      drain_all();
+      break;
+    }
   Block* free_block = free_block_holding(address, rounded, bytes);  // or throws, nothing changed
   Region* region = free_block->region;
   Block* block = carve(free_block, address, rounded);

@@ -1,7 +1,9 @@
 // Giving memory back to the upstream: making room under the cap, the limit and the high-water policy
 // (make_room), releasing cached pages and segments (release_cached, trim), and the cap and limit
 // settings that trigger it. A paged region gives back whole free pages anywhere, even between live
-// blocks; a region of segments gives back whole free segments (pool.hpp lists every file).
+// blocks, without synchronising: they drain (pool_drain.cpp) and are unmapped once their stream's
+// event has completed. A region of segments gives back whole free segments (cudaFree synchronises
+// anyway). pool.hpp lists every file.
 #include <algorithm>
 #include <limits>
 
@@ -12,53 +14,55 @@
 namespace gpumem {
 
 // Makes room for `bytes` more reserved bytes under the cap and, with the high-water policy, under the
-// live high water plus the slack (best effort). False only when the cap cannot be met.
+// live high water plus the slack (best effort: it starts pages draining and never waits for them).
+// False only when the cap cannot be met. Pages already draining count towards what is released; the
+// cap and the limit wait for them (oldest first) only when nothing else is left to release.
 bool Pool::make_room(std::size_t bytes) {
   if (!growth_allowed_) return false;
-  std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
+  if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
+  auto reserved = [&] { return static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current); };
+  // Releases what `short_of` says is missing beyond the pages already draining.
+  auto release = [&](std::size_t missing) {
+    if (missing > draining_bytes_) release_cached(missing - draining_bytes_);
+  };
   const auto allowed =
       static_cast<std::size_t>(static_cast<double>(live_high_water_) * (1.0 + options_.release_slack));
-  if (options_.release == ReleasePolicy::kHighWater && reserved + bytes > allowed)
-    release_cached(reserved + bytes - allowed);
-  reserved = stats_.reserved_bytes[kAggregate].current;
+  if (options_.release == ReleasePolicy::kHighWater && reserved() + bytes > allowed)
+    release(reserved() + bytes - allowed);
   const std::size_t cap = effective_cap_locked();
-  if (reserved + bytes > cap) {
-    release_cached(reserved + bytes - cap);
-    reserved = stats_.reserved_bytes[kAggregate].current;
-  }
-  if (reserved + bytes > cap) return false;
+  auto over_cap = [&] { return reserved() + bytes > cap ? reserved() + bytes - cap : 0; };
+  release(over_cap());
+  while (over_cap() && !draining_.empty()) reap_drained(/*wait_oldest=*/true);
+  if (over_cap()) return false;
   // Pools sharing the budget hold memory too: this pool's own cache goes back first.
-  if (!budget_->fits(bytes)) release_cached(budget_->excess(bytes));
+  if (!budget_->fits(bytes)) {
+    release(budget_->excess(bytes));
+    while (!budget_->fits(bytes) && !draining_.empty()) reap_drained(/*wait_oldest=*/true);
+  }
   return budget_->fits(bytes);
 }
 
-// Unmaps the whole pages inside a free block, up to `target` bytes. Returns the bytes unmapped.
+// Starts draining the whole mapped pages inside a free block, up to `target` bytes: each run of them
+// becomes a draining block tagged with an event on the arena's stream, whose work so far includes the
+// block's last use (pool_drain.cpp unmaps it once the event has completed). Returns the bytes started.
 std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
   Region* region = block->region;
   PageMap& pages = region->pages;
   const PageRun inside = pages.inside(block->address, block->size);
-  std::size_t released = 0;
-  bool synced = false;
-  for (PageRun run = pages.next_mapped_run(inside.first, inside.end); !run.empty() && released < target;
+  std::size_t started = 0;
+  for (PageRun run = pages.next_mapped_run(inside.first, inside.end); !run.empty() && started < target;
        run = pages.next_mapped_run(run.end, inside.end)) {
-    const std::size_t wanted = target - released;  // only as many pages as the target still needs
+    const std::size_t wanted = target - started;  // only as many pages as the target still needs
     run.end = run.first + std::min(run.count(), wanted / pages.page() + (wanted % pages.page() != 0));
-    if (!synced) {
-      // The block's last user may still be running on its stream: wait before the memory goes back.
-      upstream_->synchronize(region->arena->stream);
-      stats_.num_sync_all_streams++;
-      synced = true;
-    }
     const std::uintptr_t address = pages.address_of(run.first);
     const std::size_t bytes = pages.bytes_of(run);
-    upstream_->unmap(address, bytes, pages.page());  // throws: pages stay mapped, accounted
-    stats_.num_device_free++;
-    pages.mark_unmapped(run);
-    add_reserved(region, -static_cast<std::int64_t>(bytes));
-    notify(SegmentEvent::kUnmap, address, bytes, region->arena->stream);
-    released += bytes;
+    const EventId event = upstream_->record_event(region->arena->stream);  // throws: nothing changed
+    Block* drained = start_draining(block, address, bytes, event);
+    started += bytes;
+    block = drained->next;  // the free rest after the run holds the next runs
+    if (!block || block->state != BlockInfo::kFree) break;
   }
-  return released;
+  return started;
 }
 
 // Returns cached memory (whole free pages, whole free segments) to the device until `target` bytes
@@ -67,6 +71,8 @@ std::size_t Pool::release_cached(std::size_t target, bool rethrow) {
   std::size_t released = 0;
   try {
     released = release_cached_units(target);
+    // What the device has already finished with goes back at once (all of it on an idle device).
+    if (!draining_.empty()) reap_drained(/*wait_oldest=*/false, rethrow);
   } catch (const UpstreamError&) {
     // The unit that failed stays reserved and accounted; allocation paths carry on with what they
     // have (and report an OOM if that is not enough), trim() reports the driver's error.
@@ -120,7 +126,11 @@ std::size_t Pool::release_cached_units(std::size_t target) {
 std::size_t Pool::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   GPUMEM_VALIDATE_ON_RETURN();
-  return release_cached(std::numeric_limits<std::size_t>::max(), /*rethrow=*/true);
+  // trim() says what went back: it waits for the pages it started draining (and any others).
+  const std::size_t before = stats_.reserved_bytes[kAggregate].current;
+  release_cached(std::numeric_limits<std::size_t>::max(), /*rethrow=*/true);
+  drain_all(/*rethrow=*/true);
+  return before - static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
 }
 
 // ---- the cap and the limit -----------------------------------------------------------------------
@@ -139,7 +149,10 @@ void Pool::set_cap(std::size_t bytes) {
                           format_bytes(page_size_) + ")");
   options_.cap_bytes = bytes;
   const std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
-  if (reserved > effective_cap_locked()) release_cached(reserved - effective_cap_locked());
+  if (reserved > effective_cap_locked()) {
+    release_cached(reserved - effective_cap_locked());
+    drain_all();  // a setting the user made: it holds when the call returns, where it can
+  }
 }
 
 std::size_t Pool::cap() const {
@@ -152,7 +165,10 @@ void Pool::set_limit(std::size_t bytes) {
   GPUMEM_VALIDATE_ON_RETURN();
   budget_->set_limit(bytes);
   // Cached pages go back down to the limit where they can; pages under live blocks stay.
-  if (const std::size_t excess = budget_->excess(0)) release_cached(excess);
+  if (const std::size_t excess = budget_->excess(0)) {
+    release_cached(excess);
+    drain_all();
+  }
 }
 
 std::size_t Pool::limit() const { return budget_->limit(); }

@@ -22,7 +22,7 @@ void Pool::validate_locked() const {
   auto fail = [](const std::string& what) { throw InvariantViolation("gpumem invariant: " + what); };
   std::int64_t allocated = 0, requested = 0, active = 0, reserved = 0, allocations = 0,
                actives = 0, segments = 0;
-  std::size_t live_seen = 0, free_seen = 0;
+  std::size_t live_seen = 0, free_seen = 0, draining_seen = 0, draining_bytes = 0;
   for (auto& arena : arenas_) {
     std::size_t free_in_arena = 0;
     for (auto& region : arena->regions) {
@@ -51,6 +51,19 @@ void Pool::validate_locked() const {
           if (prev && prev->state == BlockInfo::kFree) fail("two adjacent free blocks not merged");
           if (b->requested || !b->extra_streams.empty() || b->pending_events)
             fail("free block carries allocation state");
+        } else if (b->state == BlockInfo::kDraining) {
+          draining_seen++;
+          draining_bytes += b->size;
+          if (!region->paged) fail("draining block in a region of segments");
+          const PageRun whole = region->pages.inside(b->address, b->size);
+          if (whole.count() * region->pages.page() != b->size ||
+              region->pages.address_of(whole.first) != b->address)
+            fail("draining block is not whole pages");
+          if (region->pages.count_unmapped(whole)) fail("draining block on an unmapped page");
+          if (arena->free_blocks.contains(b)) fail("draining block in the free index");
+          if (live_.find(b->address)) fail("draining block in the address map");
+          if (b->requested || !b->extra_streams.empty() || b->pending_events)
+            fail("draining block carries allocation state");
         } else {
           live_seen++;
           Block* const* found = live_.find(b->address);
@@ -77,6 +90,10 @@ void Pool::validate_locked() const {
     if (!arena->free_blocks.consistent()) fail("a free bin's or size class's list or bitmap is inconsistent");
   }
   if (live_seen != live_.size()) fail("address map holds blocks not in any region");
+  if (draining_seen != draining_.size() || draining_bytes != draining_bytes_)
+    fail("the draining list disagrees with the draining blocks");
+  for (auto& d : draining_)
+    if (d.block->state != BlockInfo::kDraining) fail("draining list holds a block that is not draining");
   std::size_t pending_blocks = 0;
   for (auto& p : pending_) pending_blocks += p.block->state == BlockInfo::kPending;
   if (pending_blocks < static_cast<std::size_t>(actives - allocations)) fail("pending block lost");

@@ -1,5 +1,6 @@
 #include "simulated_device.hpp"
 
+#include <algorithm>
 #include <atomic>
 
 #include "errors.hpp"
@@ -145,9 +146,21 @@ void SimulatedDevice::destroy_event(EventId event) {
   if (!events_.erase(event)) throw std::logic_error("simulated device: destroy of an unknown event");
 }
 
+void SimulatedDevice::wait_event(EventId event) {
+  auto it = events_.find(event);
+  if (it == events_.end()) throw std::logic_error("simulated device: wait for an unknown event");
+  StreamWork& w = streams_[it->second.stream];
+  w.completed = std::max(w.completed, it->second.ticket);
+}
+
 void SimulatedDevice::complete(StreamId stream) {
   StreamWork& w = streams_[stream];
   w.completed = w.queued;
+}
+
+void SimulatedDevice::complete_one(StreamId stream) {
+  StreamWork& w = streams_[stream];
+  if (w.completed < w.queued) ++w.completed;
 }
 
 void SimulatedDevice::complete_all() {

@@ -41,12 +41,17 @@ class SimulatedDevice : public Upstream {
   EventId record_event(StreamId stream) override;
   bool event_completed(EventId event) override;
   void destroy_event(EventId event) override;
+  // Completes the event's stream up to the event (later work stays queued): a device that runs behind.
+  void wait_event(EventId event) override;
   void synchronize(StreamId stream) override { complete(stream); }
 
   // Test controls. With auto_complete (the default) every stream's work is done as soon as it is
   // queued; without it, work on a stream completes only at complete() / complete_all().
   void set_auto_complete(bool on) { auto_complete_ = on; }
   void complete(StreamId stream);
+  // Completes the work of `stream` up to its oldest event not yet done (events complete one by one,
+  // later than they were recorded, as on a device running behind the host).
+  void complete_one(StreamId stream);
   void complete_all();
   void set_fault_plan(const FaultPlan& plan);
   std::uint64_t faults_injected() const { return faults_injected_; }

@@ -51,6 +51,8 @@ class Upstream {
   virtual EventId record_event(StreamId stream) = 0;
   virtual bool event_completed(EventId event) = 0;
   virtual void destroy_event(EventId event) = 0;
+  // Blocks until the event has completed (the work queued on its stream before it was recorded).
+  virtual void wait_event(EventId event) = 0;
   // Waits for all work queued on `stream`; called before memory used there goes back to the device.
   virtual void synchronize(StreamId stream) = 0;
 };
@@ -84,6 +86,7 @@ class ForwardingUpstream : public Upstream {
   EventId record_event(StreamId stream) override { return inner_->record_event(stream); }
   bool event_completed(EventId event) override { return inner_->event_completed(event); }
   void destroy_event(EventId event) override { inner_->destroy_event(event); }
+  void wait_event(EventId event) override { inner_->wait_event(event); }
   void synchronize(StreamId stream) override { inner_->synchronize(stream); }
 
  protected:

@@ -203,6 +203,8 @@ void Harness::do_allocate_at() {
     if (!done && free && overlaps(address, rounded, p.address, p.size)) free = false;
   }
 
+  // Released pages still draining under the range go back first (the pool waits for them).
+  recyclable |= pool_->draining_bytes() > 0;
   const DeviceStats before = pool_->stats();
   const std::string all_before = fingerprint(*pool_), full_before = fingerprint(*pool_, false);
   const std::string live_before = live_fingerprint(*pool_);

@@ -148,6 +148,13 @@ class CheckedDevice : public Upstream {
     REQUIRE(events_.erase(event) == 1, "pool destroyed an unknown event");
     sim_->destroy_event(event);
   }
+  void wait_event(EventId event) override {
+    auto it = events_.find(event);
+    REQUIRE(it != events_.end(), "pool waited for an event it never recorded or already destroyed");
+    sim_->wait_event(event);
+    auto& done_to = completed_[it->second.first];
+    done_to = std::max(done_to, it->second.second);
+  }
   void synchronize(StreamId stream) override {
     sim_->synchronize(stream);
     mark_complete(stream);
@@ -163,12 +170,22 @@ class CheckedDevice : public Upstream {
     sim_->complete(s);
     mark_complete(s);
   }
+  void complete_one(StreamId s) {
+    sim_->complete_one(s);
+    auto& c = completed_[s];
+    if (c < queued_[s]) ++c;
+  }
   void complete_all() {
     sim_->complete_all();
     for (auto& [s, q] : queued_) completed_[s] = q;
     unsynced_.clear();
   }
   bool done(const std::pair<StreamId, std::uint64_t>& t) { return completed_[t.first] >= t.second; }
+  bool all_done() {
+    for (auto& [s, q] : queued_)
+      if (completed_[s] < q) return false;
+    return true;
+  }
 
   bool backed(std::uintptr_t a, std::size_t n) const {
     if (kind() == UpstreamKind::kPages) {
@@ -202,8 +219,9 @@ class CheckedDevice : public Upstream {
     return {it->first, it->second};
   }
 
-  // A block the model freed on its own stream: the memory may be used there until a synchronisation.
-  void freed_on(std::uintptr_t a, std::size_t n, StreamId s) { unsynced_.push_back({a, n, s}); }
+  // A block the model freed on its own stream: the memory may be used there until a synchronisation,
+  // or until an event recorded on that stream after the free has completed.
+  void freed_on(std::uintptr_t a, std::size_t n, StreamId s) { unsynced_.push_back({a, n, s, queued_[s]}); }
 
   // What the harness must not see released: live allocations and blocks waiting for events.
   const std::map<std::uintptr_t, std::size_t>* live = nullptr;
@@ -236,15 +254,16 @@ class CheckedDevice : public Upstream {
                 what << " returns memory of a block whose other-stream events are not done");
       }
     for (auto& u : unsynced_)
-      REQUIRE(!overlaps(a, n, u.address, u.size),
+      REQUIRE(!overlaps(a, n, u.address, u.size) || completed_[u.stream] > u.events_before,
               what << " returns memory freed on stream " << u.stream
-                   << " without synchronising that stream first");
+                   << " before that stream's work queued so far has completed");
   }
 
   struct Unsynced {
     std::uintptr_t address;
     std::size_t size;
     StreamId stream;
+    std::uint64_t events_before;  // events recorded on the stream before the free
   };
   std::vector<Unsynced> unsynced_;
   std::set<std::uintptr_t> mapped_;                 // page addresses

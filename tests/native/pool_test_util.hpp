@@ -79,6 +79,7 @@ class FlakyDevice : public Upstream {
   EventId record_event(StreamId s) override { return sim_->record_event(s); }
   bool event_completed(EventId e) override { return sim_->event_completed(e); }
   void destroy_event(EventId e) override { sim_->destroy_event(e); }
+  void wait_event(EventId e) override { sim_->wait_event(e); }
   void synchronize(StreamId s) override { sim_->synchronize(s); }
 
  private:

@@ -82,6 +82,10 @@ class LockedDevice : public Upstream {
     std::lock_guard<std::mutex> l(m_);
     sim_->destroy_event(e);
   }
+  void wait_event(EventId e) override {
+    std::lock_guard<std::mutex> l(m_);
+    sim_->wait_event(e);
+  }
   void synchronize(StreamId s) override {
     std::lock_guard<std::mutex> l(m_);
     sim_->synchronize(s);

@@ -1,0 +1,75 @@
+// pool_tests: releasing pages without synchronising the device (core/pool_drain.cpp). On a simulated
+// device whose streams run behind the host (auto_complete off), released pages drain: they stay
+// mapped and reserved until an event on their stream completes, the high-water policy never waits
+// for them, and a cap waits only for the oldest draining event of the stream that used them.
+#include <cstdint>
+
+#include "pool_test_util.hpp"
+
+using namespace gpumem;
+using namespace gpumem_test;
+
+TEST(high_water_release_drains_without_waiting) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
+  s.dev->set_auto_complete(false);
+  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
+  s.pool->free(a);  // 8 MiB cached at the start of the region
+  std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: a's pages go back
+  DeviceStats st = s.pool->stats();
+  CHECK_EQ(st.num_sync_all_streams, std::uint64_t(0));      // nobody waited
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(8 * MiB));  // still mapped, still counted
+  CHECK_EQ(cur(st.reserved_bytes), std::int64_t(28 * MiB));
+  check_clean(*s.pool, *s.dev);
+  s.pool->process_events();  // the stream has not got there yet: nothing changes
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(8 * MiB));
+  s.dev->complete(0);
+  s.pool->process_events();
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(20 * MiB));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(b);
+  s.pool->free(c);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(a_cap_waits_for_the_oldest_draining_event_of_one_stream_only) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 12 * MiB, ReleasePolicy::kLazy);
+  s.dev->set_auto_complete(false);
+  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(4 * MiB, 0);
+  s.pool->free(a);
+  const EventId other = s.dev->record_event(2);  // work queued on another stream
+  std::uintptr_t c = s.pool->allocate(6 * MiB, 1);  // another arena: a's pages must go back first
+  CHECK_EQ(s.pool->stats().num_sync_all_streams, std::uint64_t(1));  // one wait, for stream 0's event
+  CHECK(!s.dev->event_completed(other));                              // stream 2 was not waited for
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(12 * MiB));  // 6 of a's 8 MiB went back
+  check_clean(*s.pool, *s.dev);
+  s.dev->destroy_event(other);
+  s.pool->free(b);
+  s.pool->free(c);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(draining_events_complete_one_by_one_and_trim_waits_for_the_rest) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
+  s.dev->set_auto_complete(false);
+  std::uintptr_t a = s.pool->allocate(4 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(4 * MiB, 0);
+  std::uintptr_t x = s.pool->allocate(4 * MiB, 0);
+  s.pool->free(a);
+  std::uintptr_t c = s.pool->allocate(6 * MiB, 0);  // a's pages drain (event 1)
+  s.pool->free(b);
+  std::uintptr_t d = s.pool->allocate(10 * MiB, 0);  // b's pages drain (event 2)
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(8 * MiB));
+  s.dev->complete_one(0);  // the first event only
+  s.pool->process_events();
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(4 * MiB));
+  check_clean(*s.pool, *s.dev);
+  for (std::uintptr_t p : {c, d, x}) s.pool->free(p);
+  CHECK(s.pool->trim() > 0);  // waits for the rest
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));
+  check_clean(*s.pool, *s.dev);
+  CHECK_EQ(s.dev->used_bytes(), std::size_t(0));
+}

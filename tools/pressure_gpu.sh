@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The pressure benchmark (bench/pressure.py) and the GPU tests touching page release, in calls of under
+# 8 minutes on an H100. Builds nothing (run `bash tools/gpu_session.sh build` first). Logs to $OUT.
+#   bash tools/pressure_gpu.sh tests       # GPU tests of the CUDA upstreams and the bridge (release paths)
+#   bash tools/pressure_gpu.sh 1|2|3       # the benchmark, one third of the workloads per call
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpumem-out}
+mkdir -p "$OUT"
+case "${1:-}" in
+  tests) timeout 470 python3 -m pytest -m gpu -p no:cacheprovider -rfEs -q \
+           tests/gpu/test_cuda_upstreams_gpu.py tests/gpu/test_torch_bridge_gpu.py > "$OUT/release_tests.log" 2>&1
+         echo "rc=$?"; tail -5 "$OUT/release_tests.log" ;;
+  1) W=moe,bert,generate ;;&
+  2) W=ckpt,varlen,vit ;;&
+  3) W=resnet,allocfree ;;&
+  1|2|3) timeout 480 python3 bench/pressure.py --workloads "$W" --budget-s 400 --json "$OUT/pressure_$1.json" \
+           > "$OUT/pressure_$1.log" 2>&1; echo "rc=$?"; tail -25 "$OUT/pressure_$1.log" ;;
+  *) echo "usage: $0 tests|1|2|3" >&2; exit 2 ;;
+esac

@@ -358,11 +358,15 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         results[w] = measure(w, args.allocators, runner, args, start + args.budget_s)
         print(f"{w}: {time.monotonic() - t0:.0f} s", flush=True)
-    print(table(results), flush=True)
-    doc = dict(args=dict(vars(args)), results=results, trials=runner.log, seconds=time.monotonic() - start)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        # Each workload's figures are out (table and JSON) before the next starts, so a call that the
+        # device's time limit cuts short still keeps what it measured.
+        print(table({w: results[w]}), flush=True)
+        doc = dict(args=dict(vars(args)), results=results, trials=runner.log, seconds=time.monotonic() - start)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+    if len(results) > 1:
+        print(table(results), flush=True)
     print(json.dumps(dict((w, {r["allocator"]: r.get("lowest_cap") for r in res["rows"]})
                           for w, res in results.items())), flush=True)
     return 0

@@ -215,6 +215,8 @@ def test_segment_observer_reports_every_change_of_reserved(kind, monkeypatch):
         except _C.OutOfMemoryError:
             pass
         for name, address, size, stream in events:
+            if name.startswith("span_"):  # snapshot()'s entries: test_segment_observer_spans_*
+                continue
             assert name in (("map", "unmap") if kind == "vmm" else ("segment_alloc", "segment_free"))
             assert address > 0 and size > 0 and stream in (0, 3)
             net += size if name in ("map", "segment_alloc") else -size

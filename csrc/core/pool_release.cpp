@@ -51,11 +51,18 @@ std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
     }
     const std::uintptr_t address = pages.address_of(run.first);
     const std::size_t bytes = pages.bytes_of(run);
-    upstream_->unmap(address, bytes, pages.page());  // throws: pages stay mapped, accounted
+    const PageRun span = notify_unmapping_run(region, run);
+    try {
+      upstream_->unmap(address, bytes, pages.page());
+    } catch (...) {
+      notify_unmapped_run(region, run, span, false);  // the pages stay mapped, accounted
+      throw;
+    }
     stats_.num_device_free++;
     pages.mark_unmapped(run);
     add_reserved(region, -static_cast<std::int64_t>(bytes));
     notify(SegmentEvent::kUnmap, address, bytes, region->arena->stream);
+    notify_unmapped_run(region, run, span, true);
     released += bytes;
   }
   return released;
@@ -104,7 +111,13 @@ std::size_t Pool::release_cached_units(std::size_t target) {
         stats_.num_sync_all_streams++;
         synced = true;
       }
-      upstream_->free_segment(region->base, region->size);  // throws: segment stays, accounted
+      notify(SegmentEvent::kSpanRemoved, region->base, region->size, arena.stream);
+      try {
+        upstream_->free_segment(region->base, region->size);
+      } catch (...) {
+        notify(SegmentEvent::kSpanAdded, region->base, region->size, arena.stream);  // stays, accounted
+        throw;
+      }
       stats_.num_device_free++;
       arena.free_blocks.erase(b);
       delete_block(b);

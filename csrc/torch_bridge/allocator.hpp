@@ -272,11 +272,16 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   // ---- introspection.cpp ----
   // What a pool reports when it maps / unmaps memory (its lock held): trace entries and trackers.
+  // Memory history gets the maps and unmaps as they happen (segment_map / segment_unmap, as torch's
+  // expandable segments); trackers get the segments as snapshot() shows them (SEGMENT_ALLOC /
+  // SEGMENT_FREE of the pool's spans, the free told before the memory goes back), which is what
+  // NCCL's register hooks act on (docs/distributed.md).
   void on_segment_event(int device, MempoolId pool, SegmentEvent event, std::uintptr_t address,
                         std::size_t bytes, StreamId stream);
+  enum class TraceTo { kBoth, kHistory, kTrackers };
   void record_trace(CCA::TraceEntry::Action action, int device, std::uintptr_t addr,
                     std::size_t size, cudaStream_t stream, MempoolId pool,
-                    std::shared_ptr<c10::GatheredContext> context);
+                    std::shared_ptr<c10::GatheredContext> context, TraceTo to = TraceTo::kBoth);
   std::shared_ptr<c10::GatheredContext> gather_context(CCA::RecordContext level);
   void trace_alloc(int device, std::uintptr_t p, std::size_t size, cudaStream_t stream,
                    MempoolId pool, std::shared_ptr<c10::GatheredContext> context);

@@ -280,9 +280,10 @@ std::string GpumemAllocator::getUserMetadata() {
 
 void GpumemAllocator::record_trace(Action action, int device, std::uintptr_t addr, std::size_t size,
                                    cudaStream_t stream, MempoolId pool,
-                                   std::shared_ptr<c10::GatheredContext> context) {
+                                   std::shared_ptr<c10::GatheredContext> context, TraceTo to) {
   std::lock_guard<std::mutex> lock(trace_mutex_);
   if (device < 0 || device >= kMaxDevices) return;
+  if (to == TraceTo::kTrackers && trackers_.empty()) return;
   // As PyTorch's allocator: no entry carries a stack unless history records context "alloc" or
   // "all" (with "state", stacks belong to the snapshot's live blocks only).
   if (record_context_ < CCA::RecordContext::ALLOC) context = nullptr;
@@ -298,7 +299,17 @@ void GpumemAllocator::record_trace(Action action, int device, std::uintptr_t add
 #if GPUMEM_TORCH_VERSION >= 209
   te.user_metadata_ = user_metadata_;
 #endif
-  for (auto& tracker : trackers_) tracker(te);
+  if (to != TraceTo::kHistory) {
+    for (auto& tracker : trackers_) {
+      // A tracker that throws (NCCL's, on a registration the driver refused) must not keep the
+      // others or the history from the entry; the pool has already changed and cannot undo it.
+      try {
+        tracker(te);
+      } catch (...) {
+      }
+    }
+  }
+  if (to == TraceTo::kTrackers) return;
   if (!record_history_ || skip_actions_.count(static_cast<int>(action))) return;
   auto& q = traces_[device];
   q.push_back(std::move(te));
@@ -331,14 +342,19 @@ void GpumemAllocator::trace_free(int device, std::uintptr_t p, std::size_t size,
 void GpumemAllocator::on_segment_event(int device, MempoolId pool, SegmentEvent event,
                                        std::uintptr_t address, std::size_t bytes, StreamId stream) {
   Action action = Action::SEGMENT_MAP;
+  TraceTo to = TraceTo::kHistory;
   switch (event) {
     case SegmentEvent::kMap: action = Action::SEGMENT_MAP; break;
     case SegmentEvent::kUnmap: action = Action::SEGMENT_UNMAP; break;
     case SegmentEvent::kSegmentAlloc: action = Action::SEGMENT_ALLOC; break;
     case SegmentEvent::kSegmentFree: action = Action::SEGMENT_FREE; break;
+    // NCCL registers whole segments by address and deregisters them by that address: trackers see
+    // the spans (core/pool.hpp, SegmentEvent), each freed exactly as it was allocated.
+    case SegmentEvent::kSpanAdded: action = Action::SEGMENT_ALLOC; to = TraceTo::kTrackers; break;
+    case SegmentEvent::kSpanRemoved: action = Action::SEGMENT_FREE; to = TraceTo::kTrackers; break;
   }
   record_trace(action, device, address, bytes, reinterpret_cast<cudaStream_t>(stream), pool,
-               CallContext::current());
+               to == TraceTo::kTrackers ? nullptr : CallContext::current(), to);
 }
 
 // torch.profiler(profile_memory=True) learns of allocations from the allocator, as with PyTorch's:

@@ -4,6 +4,7 @@
 // frees, segment maps and unmaps, OOMs, with the stacks torch's context recorder gathers, the user
 // metadata, the attached trace trackers (NCCL's), and the profiler's memory events.
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include <c10/core/Allocator.h>
@@ -259,6 +260,48 @@ void GpumemAllocator::attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tra
   tracing_.store(true, std::memory_order_relaxed);
 }
 
+void GpumemAllocator::start_tracker_audit() {
+  // As NCCL does when a communicator starts: the segments that already exist come from a snapshot
+  // (taken before trace_mutex_: it takes the pools' locks, which come first in the lock order).
+  CCA::SnapshotInfo existing = snapshot_impl(kDefaultPool, false);
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  if (auditing_) return;
+  auditing_ = true;
+  for (const CCA::SegmentInfo& seg : existing.segments)
+    audit_live_[{static_cast<int>(seg.device), static_cast<std::uintptr_t>(seg.address)}] = seg.total_size;
+  // Runs under trace_mutex_ (record_trace), which guards the audit's state too.
+  trackers_.push_back([this](const CCA::TraceEntry& te) {
+    const auto key = std::make_pair(static_cast<int>(te.device_), static_cast<std::uintptr_t>(te.addr_));
+    if (te.action_ == Action::SEGMENT_ALLOC) {
+      audit_counts_.allocs++;
+      auto next = audit_live_.lower_bound(key);
+      bool overlap = next != audit_live_.end() && next->first.first == key.first &&
+                     next->first.second < key.second + te.size_;
+      if (next != audit_live_.begin()) {
+        auto prev = std::prev(next);
+        overlap = overlap || (prev->first.first == key.first && prev->first.second + prev->second > key.second);
+      }
+      audit_counts_.mismatches += overlap;
+      audit_live_[key] = te.size_;
+    } else if (te.action_ == Action::SEGMENT_FREE) {
+      audit_counts_.frees++;
+      auto it = audit_live_.find(key);
+      audit_counts_.mismatches += it == audit_live_.end() || it->second != te.size_;
+      if (it != audit_live_.end()) audit_live_.erase(it);
+    }
+  });
+  tracing_.store(true, std::memory_order_relaxed);
+}
+
+GpumemAllocator::TrackerAudit GpumemAllocator::tracker_audit() {
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  TrackerAudit out = audit_counts_;
+  for (const auto& [key, bytes] : audit_live_) out.segments.emplace_back(key.first, key.second, bytes);
+  out.tracker_errors = tracker_errors_;
+  out.first_tracker_error = first_tracker_error_;
+  return out;
+}
+
 std::shared_ptr<c10::GatheredContext> GpumemAllocator::gather_context(CCA::RecordContext level) {
   CCA::CreateContextFn recorder = nullptr;
   {
@@ -305,7 +348,10 @@ void GpumemAllocator::record_trace(Action action, int device, std::uintptr_t add
       // others or the history from the entry; the pool has already changed and cannot undo it.
       try {
         tracker(te);
+      } catch (const std::exception& e) {
+        if (tracker_errors_++ == 0) first_tracker_error_ = e.what();
       } catch (...) {
+        if (tracker_errors_++ == 0) first_tracker_error_ = "an exception of unknown type";
       }
     }
   }

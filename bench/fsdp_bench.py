@@ -100,10 +100,11 @@ def compare(paths):
     print(f"{'rank':>4} {'allocator':>10} {'steps':>6} {'ms/step':>8} {'ratio':>7} {'max res MiB':>12} "
           f"{'max alloc MiB':>14} {'growth MiB':>11} {'flat':>5} {'losses':>9}")
     for x in rows:
+        same = "same" if x["losses_identical_to_first"] else f"DIFFER@{x['first_difference_step']}"
         print(f"{x['rank']:>4} {x['allocator']:>10} {x['steps']:>6} {x['median_step_ms']:>8.2f} "
               f"{x['step_time_ratio']:>7.4f} {x['max_reserved_mib']:>12.1f} {x['max_allocated_mib']:>14.1f} "
-              f"{x['reserved_growth_mib']:>11.1f} {str(x['flat']):>5} "
-              f"{'same' if x['losses_identical_to_first'] else 'DIFFER@' + str(x['first_difference_step']):>9}")
+              f"{x['reserved_growth_mib']:>11.1f} {x['flat']!s:>5} "
+              f"{same:>9}")
     print(json.dumps(dict(runs=paths, losses_identical=identical, rows=rows)))
     return 0 if identical else 1
 
@@ -193,7 +194,8 @@ def run(args):
         root, ext = os.path.splitext(out)
         out = f"{root}.rank{rank}{ext or '.json'}"
     with open(out, "w") as f:
-        json.dump(dict(summary, loss_hex=loss_hex, reserved=reserved, allocated=allocated, step_ms=step_ms), f)
+        json.dump(dict(summary, loss_hex=loss_hex, reserved=reserved, allocated=allocated,
+                       step_ms=step_ms), f)
     print(json.dumps(summary), flush=True)
     dist.barrier()
     dist.destroy_process_group()

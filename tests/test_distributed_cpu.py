@@ -11,7 +11,7 @@ import sys
 import pytest
 
 pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
-           "pressure.py", "pressure_workloads.py"]
+           "pressure.py", "pressure_workloads.py", "fsdp_bench.py"]
 
 
 def run(args, cwd, **kw):
@@ -152,3 +152,27 @@ def test_gpu_session_names_its_phases(tmp_path):
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
     assert phases == ["build", "suite", "sanitizer", "compare", "batch", "ddp", "soak-start", "soak-collect"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()
+
+
+def test_fsdp_bench_compare_reads_every_rank_and_flags_differing_losses(tmp_path):
+    def write(name, allocator, ms, losses_by_rank, reserved):
+        for rank, losses in enumerate(losses_by_rank):
+            path = tmp_path / (f"{name}.json" if rank == 0 else f"{name}.rank{rank}.json")
+            path.write_text(json.dumps(dict(
+                allocator=allocator, rank=rank, world_size=len(losses_by_rank), steps=len(losses),
+                median_step_ms=ms, max_reserved=reserved, max_allocated=reserved // 2,
+                reserved_growth_after_warmup=0, flat=True, loss_hex=[float.hex(x) for x in losses])))
+
+    write("native", "native", 100.0, [[2.0, 1.5, 1.25], [2.5, 1.75, 1.0]], 3 << 30)
+    write("gpumem", "gpumem", 101.0, [[2.0, 1.5, 1.25], [2.5, 1.75, 1.0]], 2 << 30)
+    write("odd", "gpumem", 99.0, [[2.0, 1.5, 1.25], [2.5, 1.5, 1.0]], 2 << 30)
+    r = run([BENCH / "fsdp_bench.py", "--compare", "native.json", "gpumem.json"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["losses_identical"] is True
+    gp = [row for row in result["rows"] if row["allocator"] == "gpumem"]
+    assert [row["rank"] for row in gp] == [0, 1] and {row["step_time_ratio"] for row in gp} == {1.01}
+    assert {row["max_reserved_mib"] for row in gp} == {2048.0}
+    r = run([BENCH / "fsdp_bench.py", "--compare", "native.json", "odd.json"], cwd=tmp_path)
+    assert r.returncode == 1
+    assert "DIFFER@1" in r.stdout  # rank 1, step 1

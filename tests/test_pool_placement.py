@@ -215,6 +215,8 @@ def test_segment_observer_reports_every_change_of_reserved(kind, monkeypatch):
         except _C.OutOfMemoryError:
             pass
         for name, address, size, stream in events:
+            if name.startswith("span_"):  # snapshot()'s entries: test_segment_observer_spans_*
+                continue
             assert name in (("map", "unmap") if kind == "vmm" else ("segment_alloc", "segment_free"))
             assert address > 0 and size > 0 and stream in (0, 3)
             net += size if name in ("map", "segment_alloc") else -size
@@ -243,7 +245,7 @@ def test_segment_observer_with_threads_does_not_deadlock():
     device = _C.SimulatedDevice("vmm", 8 * GiB, 2 * MiB)
     pool = _C.Pool(device, release="high_water", page_size=2 * MiB)
     lock = threading.Lock()
-    totals = {"map": 0, "unmap": 0}
+    totals = {"map": 0, "unmap": 0, "span_added": 0, "span_removed": 0}
 
     def observer(name, address, size, stream):
         with lock:
@@ -271,3 +273,46 @@ def test_segment_observer_with_threads_does_not_deadlock():
     pool.set_segment_observer(None)
     pool.validate()
     assert totals["map"] - totals["unmap"] == pool.reserved_bytes == device.used_bytes
+
+
+@pytest.mark.parametrize("kind", ["vmm", "segments"])
+def test_segment_observer_spans_are_the_snapshot_and_go_before_their_memory(kind):
+    # What NCCL registers (through the torch bridge's trace trackers): span_added / span_removed keep
+    # a set equal to snapshot()'s regions, and a span goes before any of its memory is unmapped.
+    device = _C.SimulatedDevice(kind, 2 * GiB)
+    pool = _C.Pool(device, release="high_water")
+    spans = {}
+    problems = []
+
+    def observer(name, address, size, stream):
+        overlapping = [a for a, n in spans.items() if a < address + size and address < a + n]
+        if name == "span_added":
+            if overlapping:
+                problems.append(("added over a span", address, size))
+            spans[address] = size
+        elif name == "span_removed":
+            if spans.pop(address, None) != size:
+                problems.append(("removed what was not added", address, size))
+        elif name in ("unmap", "segment_free") and overlapping:
+            problems.append((name + " under a span", address, size))
+
+    pool.set_segment_observer(observer)
+    rng = random.Random(9)
+    live = []
+    for _ in range(300):
+        op = rng.random()
+        try:
+            if op < 0.4 or not live:
+                live.append(pool.allocate(rng.randint(1, 60 * MiB), rng.choice([0, 3])))
+            elif op < 0.85:
+                pool.free(live.pop(rng.randrange(len(live))))
+            else:
+                pool.trim()
+        except _C.OutOfMemoryError:
+            pass
+        assert not problems
+        assert spans == {r["address"]: r["total_size"] for r in pool.snapshot()}
+    for p in live:
+        pool.free(p)
+    pool.trim()
+    assert spans == {} and pool.reserved_bytes == 0

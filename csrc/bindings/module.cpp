@@ -123,6 +123,8 @@ const char* event_name(SegmentEvent event) {
     case SegmentEvent::kUnmap: return "unmap";
     case SegmentEvent::kSegmentAlloc: return "segment_alloc";
     case SegmentEvent::kSegmentFree: return "segment_free";
+    case SegmentEvent::kSpanAdded: return "span_added";
+    case SegmentEvent::kSpanRemoved: return "span_removed";
   }
   return "unknown";
 }
@@ -377,9 +379,10 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("observer"),
            "Calls observer(event, address, bytes, stream) after every map / unmap of pages and every "
-           "segment_alloc / segment_free (event is that name), with the pool's lock held: the observer "
-           "must not call into a pool (RuntimeError). Its exceptions are reported as unraisable. None "
-           "removes it.")
+           "segment_alloc / segment_free (event is that name), and with span_added / span_removed as "
+           "the entries of snapshot() change (span_removed before the memory goes back), with the "
+           "pool's lock held: the observer must not call into a pool (RuntimeError). Its exceptions "
+           "are reported as unraisable. None removes it.")
       .def("validate", [](const Pool& p) { without_gil([&] { p.validate(); }); },
            "Checks every invariant of the pool; raises InvariantViolation.")
       .def_property_readonly("upstream", [](Pool& p) { return &p.upstream(); }, py::return_value_policy::reference_internal);

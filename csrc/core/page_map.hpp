@@ -54,6 +54,12 @@ class PageMap {
   // run at `end` when there is none.
   PageRun next_unmapped_run(std::size_t from, std::size_t end) const { return next_run(from, end, 0); }
   PageRun next_mapped_run(std::size_t from, std::size_t end) const { return next_run(from, end, 1); }
+  // The longest run of mapped pages that holds `run` (whose pages are all mapped).
+  PageRun mapped_run_around(PageRun run) const {
+    while (run.first > 0 && mapped(run.first - 1)) --run.first;
+    while (run.end < mapped_limit_ && mapped(run.end)) ++run.end;
+    return run;
+  }
 
   // Records that the pages of `run`, all unmapped, are now mapped: holes below mapped_limit are
   // filled, the pages skipped between mapped_limit and the run become holes, and mapped_limit moves

@@ -57,13 +57,17 @@ Pool::~Pool() {
     }
     for (auto& region : arena->regions) {
       try {
+        // Spans go before their memory (NCCL deregisters what it registered): see SegmentEvent.
         if (region->paged) {
           const PageMap& pages = region->pages;
           for (PageRun run = pages.next_mapped_run(0, pages.mapped_limit()); !run.empty();
-               run = pages.next_mapped_run(run.end, pages.mapped_limit()))
+               run = pages.next_mapped_run(run.end, pages.mapped_limit())) {
+            notify(SegmentEvent::kSpanRemoved, pages.address_of(run.first), pages.bytes_of(run), arena->stream);
             upstream_->unmap(pages.address_of(run.first), pages.bytes_of(run), pages.page());
+          }
           upstream_->release_address_range(region->base, region->size);
         } else {
+          notify(SegmentEvent::kSpanRemoved, region->base, region->size, arena->stream);
           upstream_->free_segment(region->base, region->size);
         }
       } catch (...) {
@@ -267,6 +271,7 @@ Pool::Region* Pool::add_segment(Arena& arena, std::size_t bytes) {
   Region* r = add_region(arena, base, bytes, 0);
   add_reserved(r, static_cast<std::int64_t>(bytes));
   notify(SegmentEvent::kSegmentAlloc, base, bytes, arena.stream);
+  notify(SegmentEvent::kSpanAdded, base, bytes, arena.stream);
   return r;
 }
 
@@ -324,8 +329,47 @@ bool Pool::ensure_mapped(Block* block) {
     pages.mark_mapped(run);
     add_reserved(region, static_cast<std::int64_t>(bytes));
     notify(SegmentEvent::kMap, address, bytes, region->arena->stream);
+    notify_mapped_run(region, run);
   }
   return true;
+}
+
+// Span events (see SegmentEvent). Computed only for an observer: each walks the pages either side.
+// A map of `run` joins the spans either side of it: those go, the joined one comes.
+void Pool::notify_mapped_run(const Region* region, PageRun run) {
+  if (!observer_) return;
+  const PageMap& pages = region->pages;
+  const StreamId stream = region->arena->stream;
+  const PageRun span = pages.mapped_run_around(run);
+  if (span.first < run.first)
+    notify(SegmentEvent::kSpanRemoved, pages.address_of(span.first), pages.bytes_of({span.first, run.first}), stream);
+  if (run.end < span.end)
+    notify(SegmentEvent::kSpanRemoved, pages.address_of(run.end), pages.bytes_of({run.end, span.end}), stream);
+  notify(SegmentEvent::kSpanAdded, pages.address_of(span.first), pages.bytes_of(span), stream);
+}
+
+// Before the (mapped) pages of `run` are unmapped, the span holding them goes; returns that span.
+PageRun Pool::notify_unmapping_run(const Region* region, PageRun run) {
+  if (!observer_) return run;
+  const PageMap& pages = region->pages;
+  const PageRun span = pages.mapped_run_around(run);
+  notify(SegmentEvent::kSpanRemoved, pages.address_of(span.first), pages.bytes_of(span), region->arena->stream);
+  return span;
+}
+
+// After: what is left of the span either side comes back, or all of it when the unmap failed.
+void Pool::notify_unmapped_run(const Region* region, PageRun run, PageRun span, bool unmapped) {
+  if (!observer_) return;
+  const PageMap& pages = region->pages;
+  const StreamId stream = region->arena->stream;
+  if (!unmapped) {
+    notify(SegmentEvent::kSpanAdded, pages.address_of(span.first), pages.bytes_of(span), stream);
+    return;
+  }
+  if (span.first < run.first)
+    notify(SegmentEvent::kSpanAdded, pages.address_of(span.first), pages.bytes_of({span.first, run.first}), stream);
+  if (run.end < span.end)
+    notify(SegmentEvent::kSpanAdded, pages.address_of(run.end), pages.bytes_of({run.end, span.end}), stream);
 }
 
 void Pool::split(Block* block, std::size_t size) {

@@ -96,13 +96,21 @@ struct BlockInfo {
   std::size_t last_requested = 0;
 };
 
-// What the segment observer is told about (torch's memory history: segment_map / segment_unmap /
-// segment_alloc / segment_free).
+// What the segment observer is told about. The first four are what happened to the device's memory
+// (torch's memory history: segment_map / segment_unmap / segment_alloc / segment_free). The span
+// events describe the same changes as the entries of snapshot() (a span: a maximal run of mapped
+// pages of a paged region, or a whole segment), which is what NCCL registers: the spans added minus
+// those removed are always exactly snapshot()'s regions, a span removed is one added earlier (same
+// address and bytes), and its removal is told before any of its memory is unmapped or freed. A
+// map next to a span removes that span and adds the joined one; unmapping pages out of a span
+// removes it and adds what is left on either side (or adds it back whole if the driver refused).
 enum class SegmentEvent {
   kMap,           // pages of a paged region were mapped: [address, address + bytes)
   kUnmap,         // pages of a paged region were unmapped
   kSegmentAlloc,  // a segment (cudaMalloc) was taken from the upstream
   kSegmentFree,   // a segment was given back
+  kSpanAdded,     // [address, address + bytes) is now one entry of snapshot()
+  kSpanRemoved,   // that entry is about to stop being one (told before its memory goes back)
 };
 
 // One region as seen from outside (torch's "segment" in memory snapshots).
@@ -321,6 +329,10 @@ class Pool {
     const std::size_t limit = budget_->limit();
     return cap < limit ? cap : limit;
   }
+  // Span events around a map or an unmap of `run` in `region` (pool_release.cpp).
+  void notify_mapped_run(const Region* region, PageRun run);
+  PageRun notify_unmapping_run(const Region* region, PageRun run);
+  void notify_unmapped_run(const Region* region, PageRun run, PageRun span, bool unmapped);
   void notify(SegmentEvent event, std::uintptr_t address, std::size_t bytes, StreamId stream) {
     if (!observer_) return;
     try {

@@ -47,9 +47,11 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     PageMap& pages = region->pages;
     const PageRun run = pages.touched(block->address, block->size);  // whole pages: exactly its own
     block->state = BlockInfo::kFree;
+    const PageRun span = notify_unmapping_run(region, run);  // span trackers hear before the unmap
     try {
       upstream_->unmap(block->address, block->size, pages.page());
     } catch (const UpstreamError&) {
+      notify_unmapped_run(region, run, span, false);  // the span is whole again
       insert_free(block);  // the pages stay mapped: cached again, accounted as before
       if (rethrow) throw;
       continue;
@@ -58,6 +60,7 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     pages.mark_unmapped(run);
     add_reserved(region, -static_cast<std::int64_t>(block->size));
     notify(SegmentEvent::kUnmap, block->address, block->size, region->arena->stream);
+    notify_unmapped_run(region, run, span, true);
     unmapped += block->size;
     insert_free(block);
   }

@@ -110,7 +110,13 @@ std::size_t Pool::release_cached_units(std::size_t target) {
         stats_.num_sync_all_streams++;
         synced = true;
       }
-      upstream_->free_segment(region->base, region->size);  // throws: segment stays, accounted
+      notify(SegmentEvent::kSpanRemoved, region->base, region->size, arena.stream);
+      try {
+        upstream_->free_segment(region->base, region->size);
+      } catch (...) {
+        notify(SegmentEvent::kSpanAdded, region->base, region->size, arena.stream);  // stays, accounted
+        throw;
+      }
       stats_.num_device_free++;
       arena.free_blocks.erase(b);
       delete_block(b);

@@ -48,6 +48,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -125,6 +126,18 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::size_t largest_free(int device);
   void validate(int device);
   std::size_t private_pool_count();
+  // What trace trackers were told, checked the way NCCL's register hooks rely on it: the segments
+  // allocated and not yet freed (device, address, bytes), and the entries that broke the rules (a
+  // free of a segment not live with those bytes, an allocation over a live one), plus the exceptions
+  // trackers threw. start_tracker_audit() attaches the auditing tracker (once; trackers cannot be
+  // detached). For tests (tests/gpu/dist_nccl_register.py).
+  struct TrackerAudit {
+    std::vector<std::tuple<int, std::uintptr_t, std::size_t>> segments;
+    std::size_t allocs = 0, frees = 0, mismatches = 0, tracker_errors = 0;
+    std::string first_tracker_error;
+  };
+  void start_tracker_audit();
+  TrackerAudit tracker_audit();
   // The OOM callback (Python: gc.collect) of every main pool, present and future. Empty = none.
   void set_oom_callback(std::function<void()> callback);
 
@@ -272,11 +285,16 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   // ---- introspection.cpp ----
   // What a pool reports when it maps / unmaps memory (its lock held): trace entries and trackers.
+  // Memory history gets the maps and unmaps as they happen (segment_map / segment_unmap, as torch's
+  // expandable segments); trackers get the segments as snapshot() shows them (SEGMENT_ALLOC /
+  // SEGMENT_FREE of the pool's spans, the free told before the memory goes back), which is what
+  // NCCL's register hooks act on (docs/distributed.md).
   void on_segment_event(int device, MempoolId pool, SegmentEvent event, std::uintptr_t address,
                         std::size_t bytes, StreamId stream);
+  enum class TraceTo { kBoth, kHistory, kTrackers };
   void record_trace(CCA::TraceEntry::Action action, int device, std::uintptr_t addr,
                     std::size_t size, cudaStream_t stream, MempoolId pool,
-                    std::shared_ptr<c10::GatheredContext> context);
+                    std::shared_ptr<c10::GatheredContext> context, TraceTo to = TraceTo::kBoth);
   std::shared_ptr<c10::GatheredContext> gather_context(CCA::RecordContext level);
   void trace_alloc(int device, std::uintptr_t p, std::size_t size, cudaStream_t stream,
                    MempoolId pool, std::shared_ptr<c10::GatheredContext> context);
@@ -323,6 +341,11 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::unordered_set<int> skip_actions_;
   std::unordered_map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> alloc_context_;
   std::vector<CCA::AllocatorTraceTracker> trackers_;
+  std::size_t tracker_errors_ = 0;
+  std::string first_tracker_error_;
+  bool auditing_ = false;
+  std::map<std::pair<int, std::uintptr_t>, std::size_t> audit_live_;
+  TrackerAudit audit_counts_;  // its segments stay empty: audit_live_ holds them
   std::string user_metadata_;
 
   std::atomic<bool> warned_foreign_{false};

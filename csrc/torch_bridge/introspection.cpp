@@ -4,6 +4,7 @@
 // frees, segment maps and unmaps, OOMs, with the stacks torch's context recorder gathers, the user
 // metadata, the attached trace trackers (NCCL's), and the profiler's memory events.
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include <c10/core/Allocator.h>
@@ -259,6 +260,48 @@ void GpumemAllocator::attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tra
   tracing_.store(true, std::memory_order_relaxed);
 }
 
+void GpumemAllocator::start_tracker_audit() {
+  // As NCCL does when a communicator starts: the segments that already exist come from a snapshot
+  // (taken before trace_mutex_: it takes the pools' locks, which come first in the lock order).
+  CCA::SnapshotInfo existing = snapshot_impl(kDefaultPool, false);
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  if (auditing_) return;
+  auditing_ = true;
+  for (const CCA::SegmentInfo& seg : existing.segments)
+    audit_live_[{static_cast<int>(seg.device), static_cast<std::uintptr_t>(seg.address)}] = seg.total_size;
+  // Runs under trace_mutex_ (record_trace), which guards the audit's state too.
+  trackers_.push_back([this](const CCA::TraceEntry& te) {
+    const auto key = std::make_pair(static_cast<int>(te.device_), static_cast<std::uintptr_t>(te.addr_));
+    if (te.action_ == Action::SEGMENT_ALLOC) {
+      audit_counts_.allocs++;
+      auto next = audit_live_.lower_bound(key);
+      bool overlap = next != audit_live_.end() && next->first.first == key.first &&
+                     next->first.second < key.second + te.size_;
+      if (next != audit_live_.begin()) {
+        auto prev = std::prev(next);
+        overlap = overlap || (prev->first.first == key.first && prev->first.second + prev->second > key.second);
+      }
+      audit_counts_.mismatches += overlap;
+      audit_live_[key] = te.size_;
+    } else if (te.action_ == Action::SEGMENT_FREE) {
+      audit_counts_.frees++;
+      auto it = audit_live_.find(key);
+      audit_counts_.mismatches += it == audit_live_.end() || it->second != te.size_;
+      if (it != audit_live_.end()) audit_live_.erase(it);
+    }
+  });
+  tracing_.store(true, std::memory_order_relaxed);
+}
+
+GpumemAllocator::TrackerAudit GpumemAllocator::tracker_audit() {
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  TrackerAudit out = audit_counts_;
+  for (const auto& [key, bytes] : audit_live_) out.segments.emplace_back(key.first, key.second, bytes);
+  out.tracker_errors = tracker_errors_;
+  out.first_tracker_error = first_tracker_error_;
+  return out;
+}
+
 std::shared_ptr<c10::GatheredContext> GpumemAllocator::gather_context(CCA::RecordContext level) {
   CCA::CreateContextFn recorder = nullptr;
   {
@@ -280,9 +323,10 @@ std::string GpumemAllocator::getUserMetadata() {
 
 void GpumemAllocator::record_trace(Action action, int device, std::uintptr_t addr, std::size_t size,
                                    cudaStream_t stream, MempoolId pool,
-                                   std::shared_ptr<c10::GatheredContext> context) {
+                                   std::shared_ptr<c10::GatheredContext> context, TraceTo to) {
   std::lock_guard<std::mutex> lock(trace_mutex_);
   if (device < 0 || device >= kMaxDevices) return;
+  if (to == TraceTo::kTrackers && trackers_.empty()) return;
   // As PyTorch's allocator: no entry carries a stack unless history records context "alloc" or
   // "all" (with "state", stacks belong to the snapshot's live blocks only).
   if (record_context_ < CCA::RecordContext::ALLOC) context = nullptr;
@@ -298,7 +342,20 @@ void GpumemAllocator::record_trace(Action action, int device, std::uintptr_t add
 #if GPUMEM_TORCH_VERSION >= 209
   te.user_metadata_ = user_metadata_;
 #endif
-  for (auto& tracker : trackers_) tracker(te);
+  if (to != TraceTo::kHistory) {
+    for (auto& tracker : trackers_) {
+      // A tracker that throws (NCCL's, on a registration the driver refused) must not keep the
+      // others or the history from the entry; the pool has already changed and cannot undo it.
+      try {
+        tracker(te);
+      } catch (const std::exception& e) {
+        if (tracker_errors_++ == 0) first_tracker_error_ = e.what();
+      } catch (...) {
+        if (tracker_errors_++ == 0) first_tracker_error_ = "an exception of unknown type";
+      }
+    }
+  }
+  if (to == TraceTo::kTrackers) return;
   if (!record_history_ || skip_actions_.count(static_cast<int>(action))) return;
   auto& q = traces_[device];
   q.push_back(std::move(te));
@@ -331,14 +388,19 @@ void GpumemAllocator::trace_free(int device, std::uintptr_t p, std::size_t size,
 void GpumemAllocator::on_segment_event(int device, MempoolId pool, SegmentEvent event,
                                        std::uintptr_t address, std::size_t bytes, StreamId stream) {
   Action action = Action::SEGMENT_MAP;
+  TraceTo to = TraceTo::kHistory;
   switch (event) {
     case SegmentEvent::kMap: action = Action::SEGMENT_MAP; break;
     case SegmentEvent::kUnmap: action = Action::SEGMENT_UNMAP; break;
     case SegmentEvent::kSegmentAlloc: action = Action::SEGMENT_ALLOC; break;
     case SegmentEvent::kSegmentFree: action = Action::SEGMENT_FREE; break;
+    // NCCL registers whole segments by address and deregisters them by that address: trackers see
+    // the spans (core/pool.hpp, SegmentEvent), each freed exactly as it was allocated.
+    case SegmentEvent::kSpanAdded: action = Action::SEGMENT_ALLOC; to = TraceTo::kTrackers; break;
+    case SegmentEvent::kSpanRemoved: action = Action::SEGMENT_FREE; to = TraceTo::kTrackers; break;
   }
   record_trace(action, device, address, bytes, reinterpret_cast<cudaStream_t>(stream), pool,
-               CallContext::current());
+               to == TraceTo::kTrackers ? nullptr : CallContext::current(), to);
 }
 
 // torch.profiler(profile_memory=True) learns of allocations from the allocator, as with PyTorch's:

@@ -98,6 +98,21 @@ PYBIND11_MODULE(_bridge, m) {
       py::arg("device"), "Check the device's pools' structures (raises on inconsistency).");
   m.def("private_pool_count", []() { return GpumemAllocator::instance().private_pool_count(); });
   m.def("vmm_supported", [](int device) { return gpumem::cuda_vmm_supported(device); });
+  m.def("start_tracker_audit", []() { GpumemAllocator::instance().start_tracker_audit(); },
+        "Attach (once) a trace tracker that checks the segment entries NCCL's register hooks act on.");
+  m.def("tracker_audit", []() {
+    GpumemAllocator::TrackerAudit a = GpumemAllocator::instance().tracker_audit();
+    py::dict out;
+    py::list segments;
+    for (const auto& [device, address, bytes] : a.segments) segments.append(py::make_tuple(device, address, bytes));
+    out["segments"] = segments;
+    out["allocs"] = a.allocs;
+    out["frees"] = a.frees;
+    out["mismatches"] = a.mismatches;
+    out["tracker_errors"] = a.tracker_errors;
+    out["first_tracker_error"] = a.first_tracker_error;
+    return out;
+  });
 
   m.def(
       "set_oom_callback",

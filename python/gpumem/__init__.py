@@ -82,12 +82,15 @@ from .ipython_ext import load_ipython_extension, unload_ipython_extension  # noq
 from .timeline import Timeline, record  # noqa: E402
 from .views import plot, summary  # noqa: E402
 
-# The batch-size probe imports torch at module level: imported when first used, so `import gpumem`
-# works without torch.
+# The batch-size probe and gpumem.distributed import torch at module level: imported when first
+# used, so `import gpumem` works without torch.
 _LAZY = {
     "find_batch_size": "batch_size",
     "BatchSizeResult": "batch_size",
     "BatchSizeError": "batch_size",
+    "check_ranks": "distributed",
+    "RankFailure": "distributed",
+    "RankOutOfMemoryError": "distributed",
 }
 
 
@@ -120,4 +123,6 @@ __all__ = [
     # tools
     "find_batch_size", "BatchSizeResult", "BatchSizeError", "cleanup", "CleanupReport", "summary", "plot",
     "Timeline", "record", "load_ipython_extension", "unload_ipython_extension",
+    # distributed training: one rank's failure made known to every rank
+    "check_ranks", "RankFailure", "RankOutOfMemoryError",
 ]

@@ -307,6 +307,7 @@ def test_bad_input():
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_distributed_two_gpus():
     import torch
 

@@ -29,6 +29,8 @@ class Harness {
     o.large_page_bytes = page_;  // the OOM-justification model counts pages of one size
     pool_ = std::make_unique<Pool>(dev_, o);
     pool_->add_oom_callback([this] { on_oom(); });
+    dev_->spans = &spans_;
+    pool_->set_segment_observer([this](SegmentEvent e, std::uintptr_t a, std::size_t n, StreamId) { on_span(e, a, n); });
     describe("setup kind=%s release=%s page=%zu capacity=%zu cap=%zu auto_complete=%d",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
              release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, capacity_, cap_,
@@ -344,12 +346,34 @@ class Harness {
     for (; oom_frees_ > 0 && !live_.empty(); --oom_frees_) do_free(live_.rbegin()->first);
   }
 
+  // The observer runs inside the pool (which ignores its exceptions): a broken rule is kept for
+  // check_state to report.
+  void on_span(SegmentEvent e, std::uintptr_t a, std::size_t n) {
+    if (e == SegmentEvent::kSpanAdded) {
+      auto next = spans_.lower_bound(a);
+      bool overlap = next != spans_.end() && next->first < a + n;
+      if (next != spans_.begin()) overlap |= overlaps(a, n, std::prev(next)->first, std::prev(next)->second);
+      if (overlap && span_error_.empty()) span_error_ = "a span added over a live one";
+      spans_[a] = n;
+    } else if (e == SegmentEvent::kSpanRemoved) {
+      auto it = spans_.find(a);
+      if ((it == spans_.end() || it->second != n) && span_error_.empty())
+        span_error_ = "a span removed that was not added with those bytes";
+      if (it != spans_.end()) spans_.erase(it);
+    }
+  }
+
   void check_state() {
     try {
       pool_->validate();
     } catch (const InvariantViolation& e) {
       fail(e.what());
     }
+    REQUIRE(span_error_.empty(), span_error_);
+    std::map<std::uintptr_t, std::size_t> shown;
+    for (const RegionInfo& r : pool_->snapshot()) shown[r.address] = r.size;
+    REQUIRE(shown == spans_, "the spans reported (" << spans_.size() << ") are not snapshot()'s regions ("
+                                                     << shown.size() << ")");
     DeviceStats st = pool_->stats();
     std::int64_t allocated = 0, requested = 0;
     for (auto& [a, l] : live_info_) allocated += l.rounded, requested += l.requested;
@@ -400,6 +424,7 @@ class Harness {
     REQUIRE(sim_->used_bytes() == 0, "device still hands out " << sim_->used_bytes() << " bytes");
     pool_.reset();
     REQUIRE(sim_->used_bytes() == 0, "device not empty after the pool is destroyed");
+    REQUIRE(spans_.empty() && span_error_.empty(), "spans left after the pool is destroyed");
     if (verbose())
       std::fprintf(stderr, "done: %zu allocations, %zu frees, %zu OOMs, %zu callbacks, %zu upstream errors, %" PRIu64
                            " faults\n",
@@ -416,6 +441,8 @@ class Harness {
   ReleasePolicy release_;
   std::size_t page_, capacity_, cap_;
   std::shared_ptr<CheckedDevice> dev_;
+  std::map<std::uintptr_t, std::size_t> spans_;  // declared before pool_: the pool's destructor reports
+  std::string span_error_;
   std::unique_ptr<Pool> pool_;
   std::map<std::uintptr_t, std::size_t> live_;  // address -> rounded size, ordered for overlap checks
   std::map<std::uintptr_t, Live> live_info_;

@@ -225,6 +225,9 @@ class CheckedDevice : public Upstream {
 
   // What the harness must not see released: live allocations and blocks waiting for events.
   const std::map<std::uintptr_t, std::size_t>* live = nullptr;
+  // The spans the pool's observer reported (SegmentEvent::kSpanAdded minus kSpanRemoved): memory
+  // under one must not go back (NCCL would still have it registered).
+  const std::map<std::uintptr_t, std::size_t>* spans = nullptr;
   std::vector<PendingModel>* pending = nullptr;
   std::vector<std::pair<StreamId, std::uint64_t>> recorded_;  // events recorded since the last clear
 
@@ -238,6 +241,14 @@ class CheckedDevice : public Upstream {
                     unsynced_.end());
   }
   void check_release(std::uintptr_t a, std::size_t n, const char* what) {
+    if (spans) {
+      auto it = spans->lower_bound(a + n);
+      if (it != spans->begin()) {
+        --it;
+        REQUIRE(!overlaps(a, n, it->first, it->second),
+                what << " returns memory of the span at 0x" << std::hex << it->first << " before its removal");
+      }
+    }
     if (live) {
       auto it = live->lower_bound(a + n);
       if (it != live->begin()) {

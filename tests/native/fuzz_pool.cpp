@@ -10,12 +10,14 @@
 //   - active - allocated lies between the bytes of pending blocks whose events are certainly not done
 //     and all pending blocks (equal to the former right after process_events);
 //   - the device hands out exactly the pool's reserved bytes (no leak, no double count);
-//   - largest_free_block and inactive_split_bytes fit inside reserved - active.
+//   - largest_free_block and inactive_split_bytes fit inside reserved - active;
+//   - the spans the segment observer reported (added minus removed) are snapshot()'s regions, each
+//     removed as it was added, none added over another.
 // Per operation:
 //   - a new address is 512-aligned, backed by mapped memory, and overlaps neither a live allocation
 //     nor a block still waiting for another stream's event;
-//   - memory goes back to the device only when no live block lies on it and after the streams that
-//     last used it were synchronised;
+//   - memory goes back to the device only when no live block lies on it, after the streams that
+//     last used it were synchronised, and after the span holding it was removed;
 //   - an OutOfMemoryError carries the figures stats() shows, and, when no fault was injected, it is
 //     justified: no free block of the arena fits and mapping / a new segment would pass the cap;
 //   - InvalidArgument for a bad free / record_stream / cap leaves the pool exactly as it was, and

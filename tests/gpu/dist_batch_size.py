@@ -1,0 +1,113 @@
+"""gpumem.find_batch_size under torch.distributed with gpumem on every rank, under torchrun, one GPU per
+rank (any number of ranks, 1 included).
+
+    torchrun --standalone --nproc_per_node N tests/gpu/dist_batch_size.py fsdp|uneven
+
+fsdp    a GPT sharded with FSDP2 (fully_shard per block and at the root), trained by a step_fn; the
+        same budget on every rank. Every rank must get the same size, and 3 steps at that size must
+        peak (max_memory_reserved) inside the budget on every rank.
+uneven  a DDP model; rank r's budget is 3 GiB / (r + 1), so the last rank has the least memory. Each
+        rank's own answer (searched alone, distributed=False), then the agreed one: the same on every
+        rank, the smallest rank's answer (it decides), and it fits on that rank.
+
+Prints ``RESULT {json}`` per rank.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gpumem  # before torch starts CUDA
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+from models import GPT  # noqa: E402
+
+GiB = 1 << 30
+VOCAB, SEQ = 8192, 512
+
+
+def peak_in_budget(step, batch, budget):
+    """max_memory_reserved over 3 steps at `batch`, and whether it stayed inside `budget`."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(3):
+        step(batch)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_reserved()
+    return peak, peak <= budget
+
+
+def fsdp(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, d=768, layers=6, heads=12).cuda()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(b):
+        ids = torch.randint(0, VOCAB, (b, SEQ), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids)
+            loss = F.cross_entropy(logits.float().view(-1, VOCAB), ids.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    budget = 6 * GiB
+    res = gpumem.find_batch_size(model, step_fn=step, optimizer=opt, max_memory=budget, verbose=False)
+    peak, fits = peak_in_budget(step, res.batch_size, budget)
+    return dict(batch=res.batch_size, world_size=res.world_size, budget=budget, peak=peak, fits=fits)
+
+
+def uneven(rank, world):
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 8192), nn.GELU(), nn.Linear(8192, 8192), nn.GELU(),
+                          nn.Linear(8192, 1000)).cuda()
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    opt = torch.optim.AdamW(ddp.parameters())
+
+    def step(b):
+        x = torch.randn(b, 2048, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), torch.randint(0, 1000, (b,), device="cuda"))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    budget = 3 * GiB // (rank + 1)
+    kw = dict(model=model, step_fn=step, optimizer=opt, max_memory=budget, verbose=False)
+    local = gpumem.find_batch_size(distributed=False, **kw)
+    dist.barrier()
+    agreed = gpumem.find_batch_size(**kw)
+    locals_ = [None] * world
+    dist.all_gather_object(locals_, local.batch_size)
+    peak, fits = peak_in_budget(step, agreed.batch_size, budget)
+    return dict(local=local.batch_size, agreed=agreed.batch_size, locals=locals_, budget=budget,
+                world_size=agreed.world_size, peak=peak, fits=fits)
+
+
+def main():
+    scenario = sys.argv[1]
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert gpumem.is_active()
+    result = {"fsdp": fsdp, "uneven": uneven}[scenario](rank, world)
+    print("RESULT " + json.dumps(dict(result, rank=rank, world=world, scenario=scenario)), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

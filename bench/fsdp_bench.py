@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=0.0, help="run for this wall time instead of --steps")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of step times and flatness")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--d", type=int, default=1024, help="model width")
+    p.add_argument("--width", type=int, default=1024, help="model width (not `--d`: torchrun would read it as an ambiguous option of its own)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="sequences per step per rank")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
@@ -136,7 +136,7 @@ def run(args):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank, before sharding
-    model = GPT(vocab=VOCAB, d=args.d, layers=args.layers, heads=args.heads).cuda()
+    model = GPT(vocab=VOCAB, d=args.width, layers=args.layers, heads=args.heads).cuda()
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -186,7 +186,7 @@ def run(args):
         reserved_after_warmup=reserved[warm], reserved_at_end=reserved[-1],
         reserved_growth_after_warmup=growth, flat=growth <= args.tolerance_mib * MiB,
         final_loss=float.fromhex(loss_hex[-1]), nondeterministic_ops=nondeterministic,
-        model=dict(layers=args.layers, d=args.d, heads=args.heads, batch=args.batch, seq=args.seq),
+        model=dict(layers=args.layers, d=args.width, heads=args.heads, batch=args.batch, seq=args.seq),
         torch=torch.__version__, device=torch.cuda.get_device_name(),
         nccl=".".join(map(str, torch.cuda.nccl.version())))
     out = args.out or f"fsdp_{args.allocator}.json"

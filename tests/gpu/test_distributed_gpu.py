@@ -56,7 +56,7 @@ def _need_two():
 
 def test_fsdp2_training_losses_equal_native_and_reserved_flat(tmp_path):
     bench = os.path.join(ROOT, "bench", "fsdp_bench.py")
-    common = ["--steps", "40", "--warmup", "10", "--layers", "4", "--d", "512", "--heads", "8",
+    common = ["--steps", "40", "--warmup", "10", "--layers", "4", "--width", "512", "--heads", "8",
               "--batch", "4", "--seq", "512"]
     runs = {}
     for allocator in ("native", "gpumem"):

@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py"]
+SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
+           "mixed_pipeline.py"]
 
 
 def run(args, cwd, **kw):
@@ -151,3 +152,18 @@ def test_gpu_session_names_its_phases(tmp_path):
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
     assert phases == ["build", "suite", "sanitizer", "compare", "batch", "ddp", "soak-start", "soak-collect"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()
+
+
+def test_mixed_pipeline_sizes_span_the_range_and_repeat():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import mixed_pipeline
+    finally:
+        sys.path.remove(str(BENCH))
+    GiB = 1 << 30
+    got = mixed_pipeline.sizes(24, 1.0, 0)
+    assert len(got) == 24 and got == mixed_pipeline.sizes(24, 1.0, 0)  # same seed, same run
+    flat = [s for pair in got for s in pair]
+    assert all(0.1 * GiB - 4096 <= s <= 6 * GiB and s % 4096 == 0 for s in flat)
+    assert max(flat) / min(flat) > 10  # sizes that vary, so that caching pools fragment
+    assert max(s for pair in mixed_pipeline.sizes(24, 0.25, 0) for s in pair) <= 1.5 * GiB

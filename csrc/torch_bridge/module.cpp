@@ -56,8 +56,10 @@ class OwnedBlock {
     try {
       free();
     } catch (const std::exception& e) {
-      // A destructor cannot raise: said once per failure, nothing else changes.
-      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
+      // A destructor cannot raise: a warning (an error already being raised is kept aside), or, where
+      // warnings are errors, an unraisable-exception report.
+      py::error_scope keep;
+      if (PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1) < 0) PyErr_WriteUnraisable(Py_None);
     }
   }
   void free() {
@@ -186,7 +188,7 @@ PYBIND11_MODULE(_bridge, m) {
   if (!foreign_oom) throw py::error_already_set();
   m.attr("ForeignOutOfMemoryError") = py::handle(foreign_oom);
   // args: (message, requested bytes, allocated bytes, limit bytes), for each library's own error.
-  py::register_exception_translator([](std::exception_ptr e) {
+  py::register_local_exception_translator([](std::exception_ptr e) {
     try {
       if (e) std::rethrow_exception(e);
     } catch (const gpumem::torch_bridge::ForeignOutOfMemory& oom) {

@@ -71,7 +71,7 @@ def memory_manager() -> type:
             return int(self.context.device.id)
 
         def memalloc(self, size: int) -> Any:
-            bridge = self._bridge
+            bridge = getattr(self, "_bridge", None) or bridge_for("gpumem.numba")
             try:
                 block = bridge.foreign_block(_LIBRARY, size, self._device(), 0)
             except bridge.ForeignOutOfMemoryError as e:
@@ -81,7 +81,8 @@ def memory_manager() -> type:
                                       finalizer=block)
 
         def get_memory_info(self) -> Any:
-            free, total = self._bridge.memory_info(self._device())
+            bridge = getattr(self, "_bridge", None) or bridge_for("gpumem.numba")
+            free, total = bridge.memory_info(self._device())
             return cuda.MemoryInfo(free=int(free), total=int(total))
 
         def get_ipc_handle(self, memory: Any) -> Any:

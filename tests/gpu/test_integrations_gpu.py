@@ -199,7 +199,8 @@ stream_a, stream_b = {make_a}, {make_b}
 @pytest.mark.gpu
 @need("cupy", "cupy")
 def test_cupy_block_freed_on_stream_a_is_not_reused_by_torch_on_stream_b_too_early():
-    run(REUSE.format(make_a="cupy.cuda.Stream(non_blocking=True)", make_b="torch.cuda.Stream()") + """
+    run(prelude=CUPY + REUSE.format(make_a="cupy.cuda.Stream(non_blocking=True)",
+                                    make_b="torch.cuda.Stream()"), body="""
     with stream_a:
         x = cupy.ones(N // 4, dtype=cupy.int32)            # CuPy's block, on stream A
     a_torch = torch.cuda.ExternalStream(stream_a.ptr)
@@ -221,7 +222,8 @@ def test_cupy_block_freed_on_stream_a_is_not_reused_by_torch_on_stream_b_too_ear
 @pytest.mark.gpu
 @need("cupy", "cupy")
 def test_torch_block_freed_on_stream_b_is_not_reused_by_cupy_on_stream_a_too_early():
-    run(REUSE.format(make_a="cupy.cuda.Stream(non_blocking=True)", make_b="torch.cuda.Stream()") + """
+    run(prelude=CUPY + REUSE.format(make_a="cupy.cuda.Stream(non_blocking=True)",
+                                    make_b="torch.cuda.Stream()"), body="""
     with torch.cuda.stream(stream_b):
         x = torch.ones(N // 4, dtype=torch.int32, device=dev)   # torch's block, on stream B
         torch.cuda._sleep(SPIN)

@@ -150,7 +150,8 @@ def test_gpu_session_names_its_phases(tmp_path):
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
     assert r.returncode == 2
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
-    assert phases == ["build", "suite", "sanitizer", "compare", "batch", "ddp", "soak-start", "soak-collect"]
+    assert phases == ["build", "suite", "sanitizer", "compare", "mixed", "batch", "ddp", "soak-start",
+                      "soak-collect"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()
 
 

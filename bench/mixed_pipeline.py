@@ -250,9 +250,11 @@ def main() -> int:
         print(json.dumps(res))
         return 0
 
-    import importlib.util
-
-    have_rmm = importlib.util.find_spec("rmm") is not None
+    # rmm counts only where it imports (its wheels need cuda-bindings 13 and numpy 2); said either way.
+    probe = subprocess.run([sys.executable, "-c", "import rmm"], capture_output=True, text=True, timeout=300)
+    have_rmm = probe.returncode == 0
+    if not have_rmm:
+        print(f"(rmm left out: {(probe.stderr.strip().splitlines() or ['?'])[-1]})")
     configs = ["own", "gpumem"] + (["rmm-pool", "rmm-async"] if have_rmm else [])
     results = {c: child(c, args) for c in configs}
     cap_runs = {}

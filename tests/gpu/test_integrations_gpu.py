@@ -38,9 +38,22 @@ gpumem.cupy.use()
 """
 
 
+_IMPORTABLE = {}
+
+
 def need(module, package):
-    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
-                              reason=f"{package} is not installed on this machine")
+    """Skips the test, saying why, when `module` is not installed or does not import (checked in a
+    child process: importing a CUDA library here could start CUDA in pytest's own process)."""
+    if module not in _IMPORTABLE:
+        if importlib.util.find_spec(module) is None:
+            _IMPORTABLE[module] = f"{package} is not installed on this machine"
+        else:
+            r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                               timeout=300)
+            tail = (r.stderr.strip().splitlines() or [""])[-1]
+            _IMPORTABLE[module] = "" if r.returncode == 0 else f"{package} does not import here: {tail}"
+    if _IMPORTABLE[module]:
+        pytest.skip(_IMPORTABLE[module])
 
 
 def run(body, prelude=CUPY, env=None, timeout=540):
@@ -54,8 +67,8 @@ def run(body, prelude=CUPY, env=None, timeout=540):
 # ---- CuPy -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@need("cupy", "cupy")
 def test_cupy_live_bytes_are_counted_apart_from_torchs():
+    need("cupy", "cupy")
     run("""
     t0, c0 = lib("torch"), lib("cupy")
     x = cupy.ones(16 * MiB, dtype=cupy.float32)          # 64 MiB
@@ -81,8 +94,8 @@ def test_cupy_live_bytes_are_counted_apart_from_torchs():
 
 
 @pytest.mark.gpu
-@need("cupy", "cupy")
 def test_cupy_and_torch_reuse_each_others_blocks_on_one_stream():
+    need("cupy", "cupy")
     run("""
     x = cupy.empty(64 * MiB, dtype=cupy.uint8)
     ptr = x.data.ptr
@@ -103,8 +116,8 @@ def test_cupy_and_torch_reuse_each_others_blocks_on_one_stream():
 
 
 @pytest.mark.gpu
-@need("cupy", "cupy")
 def test_one_cap_and_one_fraction_cover_torch_and_cupy():
+    need("cupy", "cupy")
     run("""
     gpumem.set_cap(1024 * MiB)
     t = torch.empty(700 * MiB, dtype=torch.uint8, device=dev)
@@ -136,8 +149,8 @@ def test_one_cap_and_one_fraction_cover_torch_and_cupy():
 
 
 @pytest.mark.gpu
-@need("cupy", "cupy")
 def test_cupy_oom_releases_the_cache_runs_gc_then_raises_cupys_error():
+    need("cupy", "cupy")
     run("""
     gpumem.set_cap(1024 * MiB)
     # Cached memory on another stream's arena: only released memory can serve CuPy's request.
@@ -197,8 +210,8 @@ stream_a, stream_b = {make_a}, {make_b}
 
 
 @pytest.mark.gpu
-@need("cupy", "cupy")
 def test_cupy_block_freed_on_stream_a_is_not_reused_by_torch_on_stream_b_too_early():
+    need("cupy", "cupy")
     run(prelude=CUPY + REUSE.format(make_a="cupy.cuda.Stream(non_blocking=True)",
                                     make_b="torch.cuda.Stream()"), body="""
     with stream_a:
@@ -220,8 +233,8 @@ def test_cupy_block_freed_on_stream_a_is_not_reused_by_torch_on_stream_b_too_ear
 
 
 @pytest.mark.gpu
-@need("cupy", "cupy")
 def test_torch_block_freed_on_stream_b_is_not_reused_by_cupy_on_stream_a_too_early():
+    need("cupy", "cupy")
     run(prelude=CUPY + REUSE.format(make_a="cupy.cuda.Stream(non_blocking=True)",
                                     make_b="torch.cuda.Stream()"), body="""
     with torch.cuda.stream(stream_b):
@@ -239,8 +252,8 @@ def test_torch_block_freed_on_stream_b_is_not_reused_by_cupy_on_stream_a_too_ear
 
 
 @pytest.mark.gpu
-@need("cupy", "cupy")
 def test_dlpack_memory_goes_back_only_when_both_sides_dropped_it():
+    need("cupy", "cupy")
     run("""
     # torch -> CuPy
     t0 = lib("torch")
@@ -311,22 +324,22 @@ gpumem.validate()
 
 
 @pytest.mark.gpu
-@need("numba", "numba-cuda")
 def test_numba_plugin_selected_by_environment_variable():
+    need("numba", "numba-cuda")
     run(NUMBA_BODY, prelude=PRELUDE, env={"NUMBA_CUDA_MEMORY_MANAGER": "gpumem.numba"})
 
 
 @pytest.mark.gpu
-@need("numba", "numba-cuda")
 def test_numba_plugin_selected_by_use():
+    need("numba", "numba-cuda")
     run("import gpumem.numba\ngpumem.numba.use()\n" + NUMBA_BODY, prelude=PRELUDE)
 
 
 # ---- RMM ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@need("rmm", "rmm")
 def test_rmm_resource_draws_from_the_pool():
+    need("rmm", "rmm")
     run("""
     import rmm
     import gpumem.rmm

@@ -96,7 +96,7 @@ def pipeline(config: str, rounds: int, scale: float, seed: int, device_limit: in
     del w
     free0, total = cupy.cuda.runtime.memGetInfo()
     ballast = 0
-    if device_limit:
+    if device_limit and free0 > device_limit:
         ballast = cupy.cuda.runtime.malloc(free0 - device_limit)  # raw: the device has `limit` left
         free0, total = cupy.cuda.runtime.memGetInfo()
     peak_device = peak_live = live = 0

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
-           "pressure.py", "pressure_workloads.py", "fsdp_bench.py"]
+           "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py"]
 
 
 def run(args, cwd, **kw):
@@ -150,7 +150,8 @@ def test_gpu_session_names_its_phases(tmp_path):
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
     assert r.returncode == 2
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
-    assert phases == ["build", "suite", "sanitizer", "compare", "batch", "ddp", "soak-start", "soak-collect"]
+    assert phases == ["build", "suite", "sanitizer", "compare", "mixed", "batch", "ddp", "soak-start",
+                      "soak-collect"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()
 
 
@@ -176,3 +177,18 @@ def test_fsdp_bench_compare_reads_every_rank_and_flags_differing_losses(tmp_path
     r = run([BENCH / "fsdp_bench.py", "--compare", "native.json", "odd.json"], cwd=tmp_path)
     assert r.returncode == 1
     assert "DIFFER@1" in r.stdout  # rank 1, step 1
+
+
+def test_mixed_pipeline_sizes_span_the_range_and_repeat():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import mixed_pipeline
+    finally:
+        sys.path.remove(str(BENCH))
+    GiB = 1 << 30
+    got = mixed_pipeline.sizes(24, 1.0, 0)
+    assert len(got) == 24 and got == mixed_pipeline.sizes(24, 1.0, 0)  # same seed, same run
+    flat = [s for pair in got for s in pair]
+    assert all(0.1 * GiB - 4096 <= s <= 6 * GiB and s % 4096 == 0 for s in flat)
+    assert max(flat) / min(flat) > 10  # sizes that vary, so that caching pools fragment
+    assert max(s for pair in mixed_pipeline.sizes(24, 0.25, 0) for s in pair) <= 1.5 * GiB

@@ -6,6 +6,7 @@ The script must see what ``python SCRIPT`` / ``python -m MODULE`` would show it 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -201,3 +202,16 @@ def test_console_script_run(cwd, script):
     assert r.returncode == 2 and "no_such_key" in r.stderr and "Traceback" not in r.stderr
     r = run(cwd, "--bogus", exe=[exe])
     assert r.returncode == 2 and r.stderr.startswith("usage: gpumem run")
+
+
+@pytest.mark.parametrize("flag, package", [("--cupy", "cupy"), ("--numba", "numba-cuda"), ("--rmm", "rmm")])
+def test_an_integration_flag_whose_library_is_missing_exits_2_naming_it(cwd, script, flag, package):
+    module = {"--cupy": "cupy", "--numba": "numba", "--rmm": "rmm"}[flag]
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here: this checks the error where it is not")
+    r = run(cwd, flag, str(script), "--cupy")  # (after SCRIPT, --cupy is the script's)
+    assert r.returncode == 2, r.stderr
+    assert f"needs {package}" in r.stderr and "Traceback" not in r.stderr
+    assert "REPORT" not in r.stdout  # the script never started
+    r = run(cwd, "--help")
+    assert flag in r.stdout

@@ -6,6 +6,7 @@
 #   bash tools/gpu_session.sh suite [ARGS]     # the GPU test suite, or pytest ARGS (2-GPU tests need 2 GPUs)
 #   bash tools/gpu_session.sh sanitizer [TESTS] # the suite (or TESTS) under compute-sanitizer memcheck, alone
 #   bash tools/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
+#   bash tools/gpu_session.sh mixed            # mixed_pipeline (CuPy -> torch -> Numba), SCALE=0.5 default
 #   bash tools/gpu_session.sh batch [ALLOC]    # batch_size_bench (gpt, cnn) with ALLOC's allocator
 #   bash tools/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
 #   bash tools/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
@@ -57,6 +58,12 @@ case "${1:-}" in
     done
     wait
     for ((g = 0; g < n; g++)); do echo "GPU $g"; grep -vE "^(round|\{)" "$OUT/compare$g.log"; done
+    ;;
+  mixed)
+    python3 bench/mixed_pipeline.py --scale "${SCALE:-0.5}" > "$OUT/mixed_pipeline.log" 2>&1
+    rc=$?
+    grep -v '^{' "$OUT/mixed_pipeline.log" | tail -30
+    exit $rc
     ;;
   batch)
     python3 bench/batch_size_bench.py --allocator "${2:-gpumem}" > "$OUT/batch_${2:-gpumem}.log" 2>&1

@@ -433,21 +433,22 @@ void Pool::free(std::uintptr_t address) {
   if (!free_locked(address)) find_live(address, "free");  // throws the message for a foreign or double free
 }
 
-bool Pool::try_free(std::uintptr_t address) {
+bool Pool::try_free(std::uintptr_t address, std::size_t* freed_bytes) {
   if (address == 0) return false;
   std::lock_guard<std::mutex> lock(mutex_);
   GPUMEM_VALIDATE_ON_RETURN();
-  return free_locked(address);
+  return free_locked(address, freed_bytes);
 }
 
 // Frees the live allocated block at `address`; false, changing nothing, when there is none.
-bool Pool::free_locked(std::uintptr_t address) {
+bool Pool::free_locked(std::uintptr_t address, std::size_t* freed_bytes) {
   Block* block = nullptr;
   if (!live_.take(address, &block)) return false;
   if (block->state != BlockInfo::kAllocated) {
     live_.put(address, block);  // a pending block: put it back untouched
     return false;
   }
+  if (freed_bytes) *freed_bytes = block->size;
   StatType type = pool_of(block->region);
   const std::int64_t size = static_cast<std::int64_t>(block->size);
   update(stats_.allocation, type, [](Stat& s) { s.decrease(1); });

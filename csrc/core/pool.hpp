@@ -158,8 +158,9 @@ class Pool {
   void free(std::uintptr_t address);
   // free() for a pointer that may belong to another pool: false, changing nothing, when `address` is
   // not a live allocated block of this pool (0 included); true when it was freed. The bridge probes
-  // its pools with one deleter, without paying for an exception per miss.
-  bool try_free(std::uintptr_t address);
+  // its pools with one deleter, without paying for an exception per miss. `freed_bytes` (when not
+  // null) receives the freed block's size, so that callers counting bytes need no second lookup.
+  bool try_free(std::uintptr_t address, std::size_t* freed_bytes = nullptr);
   // Marks the block as used on `stream` as well: free() will wait for that stream's work.
   void record_stream(std::uintptr_t address, StreamId stream);
   // Polls pending events and recycles the blocks whose streams are done.
@@ -286,7 +287,7 @@ class Pool {
 
   std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);
   bool commit_allocation(Block* block, bool release_and_retry);
-  bool free_locked(std::uintptr_t address);
+  bool free_locked(std::uintptr_t address, std::size_t* freed_bytes = nullptr);
   // allocate_at's helpers (pool_allocate_at.cpp).
   Block* free_block_holding(std::uintptr_t address, std::size_t rounded, std::size_t bytes);
   Block* carve(Block* free_block, std::uintptr_t address, std::size_t rounded);

@@ -231,6 +231,7 @@ void* GpumemAllocator::malloc_on(std::size_t size, int device, cudaStream_t stre
   if (routing) {
     if (std::shared_ptr<PrivatePool> pp = route(device, stream)) {
       void* p = alloc_private(*pp, size, stream);
+      count_torch(device, static_cast<std::int64_t>(round_up(size, kAlignment)));
       if (C10_UNLIKELY(tracing))
         trace_alloc(device, reinterpret_cast<std::uintptr_t>(p), size, stream, pp->id, context);
       if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
@@ -244,6 +245,7 @@ void* GpumemAllocator::malloc_on(std::size_t size, int device, cudaStream_t stre
     MaybeRelaxed relaxed(routing);
     p = pool_allocate(pool, size, device, stream, /*may_borrow=*/true);
   }
+  count_torch(device, static_cast<std::int64_t>(round_up(size, kAlignment)));
   if (C10_UNLIKELY(tracing)) trace_alloc(device, p, size, stream, kDefaultPool, context);
   if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
     report_to_profiler(device, p, static_cast<std::int64_t>(round_up(size, kAlignment)));
@@ -317,7 +319,9 @@ bool GpumemAllocator::try_free_main(int device, std::uintptr_t p) {
     // No device switch: the CUDA upstreams make their device's context current for each driver
     // call (events on the block's other streams, unmapping), whatever device this thread is on.
     MaybeRelaxed relaxed(routing_count_.load(std::memory_order_acquire) > 0);
-    if (!pool->try_free(p)) return false;
+    std::size_t freed = 0;
+    if (!pool->try_free(p, &freed)) return false;
+    count_torch(device, -static_cast<std::int64_t>(freed));
   }
   if (C10_UNLIKELY(tracing)) trace_free(device, p, size, kDefaultPool, std::move(context));
   if (C10_UNLIKELY(profiling)) report_to_profiler(device, p, -static_cast<std::int64_t>(size));

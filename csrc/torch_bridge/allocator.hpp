@@ -12,6 +12,8 @@
 //                      trackers, the profiler's memory events);
 //   oom.cpp            out-of-memory errors in PyTorch's words plus gpumem's figures, OOM observers;
 //   ipc.cpp            CUDA IPC (torch.multiprocessing): pages exported as file descriptors;
+//   foreign.cpp        other libraries' blocks (CuPy, Numba, RMM) from the main pools, and the live
+//                      bytes counted per library (torch's included);
 //   external_upstream  the upstream of MemPools whose memory comes from another torch allocator.
 // Helpers shared by those files (error translation, capture-mode and device guards): bridge_util.hpp.
 //
@@ -35,11 +37,14 @@
 // Lock order (a thread holding one may take only those after it; never the reverse):
 //   config_mutex_ -> DeviceState::create_mutex -> routes_mutex_ -> PrivatePool::mutex
 //     -> Pool's own lock -> recorded_mutex_ -> callback_mutex_ -> trace_mutex_
+// foreign_mutex_ (foreign.cpp's ledger) is taken alone: never while holding another bridge lock or a
+// pool's, and nothing is taken under it.
 // Pools call the segment observer (which takes trace_mutex_) with their lock held, hence trace_mutex_
 // last; trace trackers run under trace_mutex_ and must not call the allocator. Context recorders
 // (they may take the GIL) and OOM callbacks (gc.collect, which frees) run with no bridge lock held.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +52,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -77,6 +84,32 @@ using MempoolId = std::pair<unsigned long long, unsigned long long>;  // == c10:
 
 constexpr int kMaxDevices = C10_COMPILE_TIME_MAX_GPUS;
 constexpr MempoolId kDefaultPool{0, 0};
+
+// The libraries whose live bytes the bridge counts apart. torch allocates through the allocator
+// interface; the others through foreign_alloc / foreign_free (foreign.cpp), from the same main pools.
+enum class Library : int { kTorch = 0, kCupy = 1, kNumba = 2, kRmm = 3 };
+constexpr int kNumLibraries = 4;
+const char* library_name(Library library);  // "torch", "cupy", "numba", "rmm"
+
+// One library's figures on one device.
+struct LibraryUsage {
+  std::int64_t current = 0;      // SUM: live bytes (blocks rounded to 512, as allocated_bytes)
+  std::int64_t peak = 0;         // SUM: highest `current` since the last peak reset
+  std::int64_t allocations = 0;  // COUNT: live blocks
+  std::int64_t ooms = 0;         // COUNT: requests that failed with out-of-memory (foreign only)
+};
+
+// What foreign_alloc throws when the device's main pool cannot serve a request even after releasing
+// its cache and running the OOM callbacks (gc). The Python layer turns it into the library's own
+// out-of-memory error (cupy.cuda.memory.OutOfMemoryError, numba's CudaAPIError, MemoryError for RMM).
+class ForeignOutOfMemory : public std::runtime_error {
+ public:
+  ForeignOutOfMemory(const std::string& message, std::size_t requested_bytes, std::size_t allocated_bytes,
+                     std::size_t limit_bytes)
+      : std::runtime_error(message), requested(requested_bytes), allocated(allocated_bytes),
+        limit(limit_bytes) {}
+  std::size_t requested, allocated, limit;  // limit: the effective cap (cap, fraction or device)
+};
 
 // A private pool: the memory of one CUDA graph pool / torch.cuda.MemPool id on one device.
 struct PrivatePool {
@@ -140,6 +173,24 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   TrackerAudit tracker_audit();
   // The OOM callback (Python: gc.collect) of every main pool, present and future. Empty = none.
   void set_oom_callback(std::function<void()> callback);
+
+  // ---- foreign.cpp: other libraries' blocks from the device's main pool ----
+  // A block of `size` bytes for `library` (not kTorch) on `device`, used on `stream`: the main pool's
+  // arena of that stream, so its free is stream-ordered as torch's are. Null for size 0.
+  // @throws ForeignOutOfMemory after the pool released its cache and ran the OOM callbacks;
+  //   c10 errors (ValueError / RuntimeError) for a bad device, library or size.
+  void* foreign_alloc(Library library, std::size_t size, int device, cudaStream_t stream);
+  // Frees a block foreign_alloc handed out (to any library); returns its size. `stream`: the stream
+  // the library frees it on (RMM's deallocate), recorded on the block when it is not the one it was
+  // allocated on; none: the allocation's stream (CuPy and Numba free with no stream).
+  // @throws ValueError for a pointer that is not a live foreign block (nothing changes).
+  std::size_t foreign_free(void* ptr, std::optional<cudaStream_t> stream = std::nullopt);
+  // The live bytes of each library on `device` (index: Library). torch's are the blocks torch
+  // allocated through the allocator interface (main and private pools).
+  std::vector<LibraryUsage> library_usage(int device);
+  // (free, total) as a library sees the device through gpumem: total is the effective cap, free what
+  // can still be allocated under it (cached free memory included).
+  std::pair<std::size_t, std::size_t> memory_info(int device);
 
   // ---- c10::Allocator ----
   c10::DataPtr allocate(std::size_t size) override;
@@ -230,6 +281,10 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::atomic<double> fraction{-1.0};
     // The device's limit and reserved bytes, shared by its main and private pools.
     std::shared_ptr<Budget> budget = std::make_shared<Budget>();
+    // torch's live bytes (foreign.cpp's per-library view): atomics, as they change on torch's hot path.
+    std::atomic<std::int64_t> torch_bytes{0};
+    std::atomic<std::int64_t> torch_peak{0};
+    std::atomic<std::int64_t> torch_blocks{0};
   };
   struct Route {
     int device;
@@ -278,6 +333,11 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void free_private_block(const std::shared_ptr<PrivatePool>& pp, std::uintptr_t p);
   void maybe_destroy(const std::shared_ptr<PrivatePool>& pp);
   std::vector<std::shared_ptr<PrivatePool>> private_pools_of(int device);
+
+  // ---- foreign.cpp ----
+  // torch's live bytes on `device` change by `delta` (a block of |delta| bytes allocated or freed).
+  void count_torch(int device, std::int64_t delta);
+  void reset_library_peaks(int device);
 
   // ---- oom.cpp ----
   [[noreturn]] void raise_oom(int device, std::size_t requested, const std::string& detail,
@@ -349,6 +409,19 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::string user_metadata_;
 
   std::atomic<bool> warned_foreign_{false};
+
+  // Foreign blocks (foreign.cpp): pointer -> (library, size, device), and the usage of each library
+  // on each device, under foreign_mutex_ (taken alone; see the lock order).
+  struct ForeignBlock {
+    Library library = Library::kTorch;
+    std::size_t size = 0;
+    int device = 0;
+    cudaStream_t stream = nullptr;  // the stream it was allocated on
+  };
+  std::mutex foreign_mutex_;
+  std::unordered_map<std::uintptr_t, ForeignBlock> foreign_blocks_;
+  std::vector<std::array<LibraryUsage, kNumLibraries>> foreign_usage_ =
+      std::vector<std::array<LibraryUsage, kNumLibraries>>(kMaxDevices);
 };
 
 }  // namespace gpumem::torch_bridge

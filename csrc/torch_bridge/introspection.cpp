@@ -81,6 +81,7 @@ void GpumemAllocator::resetPeakStats(c10::DeviceIndex device) {
   if (Pool* pool = main_pool_if_created(check_device(device))) pool->reset_peak_stats();
   for (auto& pp : private_pools_of(device))
     if (pp->pool) pp->pool->reset_peak_stats();
+  reset_library_peaks(device);
 }
 
 std::size_t GpumemAllocator::trim(int device) {

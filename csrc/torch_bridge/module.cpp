@@ -2,6 +2,11 @@
 // Built only against a CUDA torch, with torch's own pybind11 headers, so that the allocator object
 // handed to Python is torch's registered `torch._C._cuda_CUDAAllocator` type.
 #include <Python.h>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -36,6 +41,49 @@ py::dict flat_stats(const gpumem::DeviceStats& s) {
 #undef GPUMEM_FLAT_STAT
 #undef GPUMEM_FLAT_NUMBER
   return out;
+}
+
+// A block handed to another library (CuPy, Numba), owned by this Python object: freed into the pool
+// by free() or, at the latest, when the object dies (CuPy's UnownedMemory and Numba's finalizer hold
+// it for as long as the library uses the memory).
+class OwnedBlock {
+ public:
+  OwnedBlock(std::uintptr_t ptr, std::size_t size, int device, int library)
+      : ptr_(ptr), size_(size), device_(device), library_(library) {}
+  OwnedBlock(const OwnedBlock&) = delete;
+  OwnedBlock& operator=(const OwnedBlock&) = delete;
+  ~OwnedBlock() {
+    try {
+      free();
+    } catch (const std::exception& e) {
+      // A destructor cannot raise: a warning (an error already being raised is kept aside), or, where
+      // warnings are errors, an unraisable-exception report.
+      py::error_scope keep;
+      if (PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1) < 0) PyErr_WriteUnraisable(Py_None);
+    }
+  }
+  void free() {
+    if (!ptr_) return;
+    const std::uintptr_t p = std::exchange(ptr_, 0);
+    GpumemAllocator::instance().foreign_free(reinterpret_cast<void*>(p));
+  }
+  std::uintptr_t ptr() const { return ptr_; }
+  std::size_t size() const { return size_; }
+  int device() const { return device_; }
+  int library() const { return library_; }
+
+ private:
+  std::uintptr_t ptr_;
+  std::size_t size_;
+  int device_;
+  int library_;
+};
+
+gpumem::torch_bridge::Library to_library(int library) {
+  if (library <= 0 || library >= gpumem::torch_bridge::kNumLibraries)
+    throw py::value_error("gpumem: library must be 1 (cupy), 2 (numba) or 3 (rmm), not " +
+                          std::to_string(library));
+  return static_cast<gpumem::torch_bridge::Library>(library);
 }
 
 }  // namespace
@@ -143,4 +191,80 @@ PYBIND11_MODULE(_bridge, m) {
       },
       py::arg("fn"),
       "Called before an allocation fails (gc.collect from gpumem); None removes it.");
+
+  // ---- other libraries (foreign.cpp) ----
+  // The GIL stays held around these pool calls, as around torch's allocations from Python: a pool
+  // call never waits for the GIL, and the OOM callback (gc.collect) takes it again on this thread.
+  m.attr("LIBRARIES") = py::make_tuple("torch", "cupy", "numba", "rmm");
+  // A plain reference kept for the process's life (a static py::object would be released after
+  // the interpreter finalized).
+  static PyObject* foreign_oom =
+      PyErr_NewException("gpumem._bridge.ForeignOutOfMemoryError", PyExc_MemoryError, nullptr);
+  if (!foreign_oom) throw py::error_already_set();
+  m.attr("ForeignOutOfMemoryError") = py::handle(foreign_oom);
+  // args: (message, requested bytes, allocated bytes, limit bytes), for each library's own error.
+  py::register_local_exception_translator([](std::exception_ptr e) {
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const gpumem::torch_bridge::ForeignOutOfMemory& oom) {
+      py::object args = py::make_tuple(oom.what(), oom.requested, oom.allocated, oom.limit);
+      PyErr_SetObject(foreign_oom, args.ptr());
+    }
+  });
+
+  py::class_<OwnedBlock>(m, "Block", "A block of gpumem's pool owned by another library's object")
+      .def_property_readonly("ptr", &OwnedBlock::ptr)
+      .def_property_readonly("size", &OwnedBlock::size)
+      .def_property_readonly("device", &OwnedBlock::device)
+      .def_property_readonly("library", &OwnedBlock::library)
+      .def("free", &OwnedBlock::free, "Give the block back now (idempotent)")
+      .def("__call__", &OwnedBlock::free, "free(): a finalizer for numba's MemoryPointer");
+
+  m.def(
+      "foreign_block",
+      [](int library, std::size_t size, int device, std::uintptr_t stream) {
+        void* p = GpumemAllocator::instance().foreign_alloc(to_library(library), size, device,
+                                                            reinterpret_cast<cudaStream_t>(stream));
+        return std::make_unique<OwnedBlock>(reinterpret_cast<std::uintptr_t>(p), size, device, library);
+      },
+      py::arg("library"), py::arg("size"), py::arg("device"), py::arg("stream"),
+      "A block of `size` bytes for `library` on `device`'s main pool, used on `stream` (a "
+      "cudaStream_t as int); freed when the returned object dies. ForeignOutOfMemoryError when full.");
+  m.def(
+      "foreign_alloc",
+      [](int library, std::size_t size, int device, std::uintptr_t stream) {
+        return reinterpret_cast<std::uintptr_t>(GpumemAllocator::instance().foreign_alloc(
+            to_library(library), size, device, reinterpret_cast<cudaStream_t>(stream)));
+      },
+      py::arg("library"), py::arg("size"), py::arg("device"), py::arg("stream"),
+      "foreign_block's block as a bare pointer (0 for size 0), freed by foreign_free.");
+  m.def(
+      "foreign_free",
+      [](std::uintptr_t ptr, std::optional<std::uintptr_t> stream) {
+        std::optional<cudaStream_t> s;
+        if (stream) s = reinterpret_cast<cudaStream_t>(*stream);
+        return GpumemAllocator::instance().foreign_free(reinterpret_cast<void*>(ptr), s);
+      },
+      py::arg("ptr"), py::arg("stream") = py::none(),
+      "Free a foreign_alloc pointer (stream: the one it is freed on; None: its own). Returns its "
+      "size; ValueError for a pointer that is not a live foreign block.");
+  m.def(
+      "library_stats",
+      [](int device) {
+        py::dict out;
+        const auto usage = GpumemAllocator::instance().library_usage(device);
+        for (int i = 0; i < gpumem::torch_bridge::kNumLibraries; ++i) {
+          py::dict d;
+          d["current"] = usage[i].current;
+          d["peak"] = usage[i].peak;
+          d["allocations"] = usage[i].allocations;
+          d["ooms"] = usage[i].ooms;
+          out[py::str(gpumem::torch_bridge::library_name(static_cast<gpumem::torch_bridge::Library>(i)))] = d;
+        }
+        return out;
+      },
+      py::arg("device"), "Live bytes, peak, live blocks and OOMs of each library on the device.");
+  m.def(
+      "memory_info", [](int device) { return GpumemAllocator::instance().memory_info(device); },
+      py::arg("device"), "(free, total) under the device's effective cap, cached memory counted free.");
 }

@@ -132,10 +132,12 @@ void GpumemAllocator::free_private_block(const std::shared_ptr<PrivatePool>& pp,
     if (pp->pool) {
       const bool tracing = tracing_.load(std::memory_order_relaxed);
       const bool profiling = c10::memoryProfilingEnabled();
-      const std::size_t size = tracing || profiling ? pp->pool->allocation_size(p) : 0;
+      // (Always looked up: torch's per-library live bytes count it.)
+      const std::size_t size = pp->pool->allocation_size(p);
       std::shared_ptr<c10::GatheredContext> context;
       if (C10_UNLIKELY(tracing)) context = gather_context(CCA::RecordContext::ALL);
       pp->pool->free(p);
+      count_torch(pp->device, -static_cast<std::int64_t>(size));
       if (C10_UNLIKELY(tracing && size)) trace_free(pp->device, p, size, pp->id, std::move(context));
       if (C10_UNLIKELY(profiling && size))
         report_to_profiler(pp->device, p, -static_cast<std::int64_t>(size));
@@ -306,6 +308,7 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
       forget_private(p);
     }
     if (pp->pool) translate([&] { pp->pool->free(p); });
+    if (size) count_torch(pp->device, -static_cast<std::int64_t>(size));
     if (tracing_.load(std::memory_order_relaxed) && size) trace_free(pp->device, p, size, pp->id, nullptr);
   }
   if (!state->live.empty()) {
@@ -324,6 +327,7 @@ CCA::CheckpointDelta GpumemAllocator::setCheckpointPoolState(
         std::lock_guard<std::mutex> lock(routes_mutex_);
         remember_private(block.address, pp);
       }
+      count_torch(pp->device, static_cast<std::int64_t>(block.size));
       if (tracing_.load(std::memory_order_relaxed))
         trace_alloc(pp->device, block.address, block.requested, nullptr, pp->id, nullptr);
     }

@@ -25,6 +25,9 @@ What users call is ``gpumem.<name>`` (``__all__``); the underscored modules (``_
 * The core pool for direct use: ``Pool`` on a ``SimulatedDevice`` (no GPU needed) or on
   ``cuda_upstream(kind, device)``; ``validate()`` raises ``InvariantViolation``; ``parse_config``,
   ``replay``.
+* Other GPU libraries from the same pool: ``gpumem.cupy.use()``, ``gpumem.numba.use()`` (or
+  ``NUMBA_CUDA_MEMORY_MANAGER=gpumem.numba``), ``gpumem.rmm.use()``; ``stats()`` and ``summary()``
+  show each library's live bytes.
 * Tools: ``find_batch_size``, ``cleanup``, ``summary``, ``plot``, ``record``, ``%load_ext gpumem``.
 """
 from __future__ import annotations
@@ -94,7 +97,16 @@ _LAZY = {
 }
 
 
+# The integrations with other GPU libraries, submodules imported on first use (``gpumem.cupy.use()``)
+# so that `import gpumem` imports none of those libraries.
+_INTEGRATIONS = ("cupy", "numba", "rmm")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _INTEGRATIONS:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
@@ -110,7 +122,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_INTEGRATIONS))
 
 
 __all__ = [

@@ -11,7 +11,11 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from ._optional import import_torch
 
-__all__ = ["pool_active", "cuda_state", "get_stats", "memory_totals", "allocated_reserved", "tracked_devices"]
+__all__ = ["pool_active", "cuda_state", "get_stats", "memory_totals", "allocated_reserved", "tracked_devices",
+           "LIBRARIES", "library_bytes"]
+
+#: The libraries whose live bytes gpumem's pool counts apart (``gpumem.library.<name>.*`` keys).
+LIBRARIES = ("torch", "cupy", "numba", "rmm")
 
 
 def pool_active() -> bool:
@@ -75,6 +79,20 @@ def memory_totals(devices: Sequence[Any]) -> Tuple[int, int, int]:
         r += int(s.get("reserved_bytes.all.current", 0))
         p += int(s.get("allocated_bytes.all.peak", 0))
     return a, r, p
+
+
+def library_bytes(devices: Sequence[Any], stats: Sequence[Dict[str, Any]] = ()) -> Dict[str, int]:
+    """Live bytes per library (``LIBRARIES``), summed over ``devices``; ``{}`` when the allocator
+    does not count them (PyTorch's own allocator, or a bridge without per-library figures).
+    ``stats``: the devices' ``get_stats`` results when the caller already has them."""
+    per_device = list(stats) if stats else [get_stats(d) for d in devices]
+    out: Dict[str, int] = {}
+    for s in per_device:
+        for name in LIBRARIES:
+            key = f"gpumem.library.{name}.current"
+            if key in s:
+                out[name] = out.get(name, 0) + int(s[key])
+    return out
 
 
 def allocated_reserved(devices: Sequence[Any]) -> Tuple[int, int]:

@@ -179,7 +179,9 @@ pool = mem_pool
 
 def stats(device: Any = None) -> Dict[str, Any]:
     """gpumem's pool stats of a device in ``torch.cuda.memory_stats()``'s flat shape, plus
-    ``gpumem.cap_bytes`` (0 = no cap) and ``gpumem.largest_free_bytes``."""
+    ``gpumem.cap_bytes`` (0 = no cap), ``gpumem.largest_free_bytes`` and, per library drawing from
+    the pool (torch, cupy, numba, rmm), ``gpumem.library.<name>.current`` / ``.peak`` (live bytes),
+    ``.allocations`` (live blocks) and ``.ooms``. torch's own ``memory_stats`` keeps torch's keys."""
     torch = _torch_with_cuda()
     if isinstance(torch, str):
         raise RuntimeError(torch)
@@ -188,4 +190,9 @@ def stats(device: Any = None) -> Dict[str, Any]:
     out = dict(bridge.device_stats(index))
     out["gpumem.cap_bytes"] = int(bridge.cap(index))
     out["gpumem.largest_free_bytes"] = int(bridge.largest_free(index))
+    library_stats = getattr(bridge, "library_stats", None)  # (a bridge built before it had them)
+    if library_stats is not None:
+        for name, figures in library_stats(index).items():
+            for key, value in figures.items():
+                out[f"gpumem.library.{name}.{key}"] = int(value)
     return out

@@ -1,6 +1,8 @@
-"""``python -m gpumem run [--quiet] [--status] SCRIPT [ARGS ...]`` and ``... run -m MODULE [ARGS ...]``:
-run an unchanged script with gpumem imported first, so gpumem is PyTorch's CUDA allocator before the
-script touches CUDA.
+"""``python -m gpumem run [--quiet] [--status] [--cupy] [--numba] [--rmm] SCRIPT [ARGS ...]`` and
+``... run [OPTIONS] -m MODULE [ARGS ...]``: run an unchanged script with gpumem imported first, so
+gpumem is PyTorch's CUDA allocator before the script touches CUDA; ``--cupy`` / ``--numba`` /
+``--rmm`` make those libraries allocate from the same pool (docs/integrations.md), exiting 2 with the
+``ImportError`` naming the package where one is missing.
 
 This module owns the launcher: parsing the options before SCRIPT (everything from SCRIPT, or from
 ``-m MODULE``, on belongs to the script, ``--help`` included), checking ``GPUMEM_CONF`` before the
@@ -49,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--status", action="store_true",
                    help="print gpumem.status_line() to stderr before the script runs "
                         "(the default unless --quiet)")
+    p.add_argument("--cupy", action="store_true", help="CuPy allocates from gpumem's pool too")
+    p.add_argument("--numba", action="store_true",
+                   help="Numba allocates from gpumem's pool too (NUMBA_CUDA_MEMORY_MANAGER=gpumem.numba)")
+    p.add_argument("--rmm", action="store_true", help="RMM (cuDF, cuML) allocates from gpumem's pool too")
     p.add_argument("-m", metavar="MODULE", dest="module",
                    help="run a module as `python -m MODULE` does, instead of SCRIPT")
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="the script to run")
@@ -117,9 +123,10 @@ def _run_module(module: str, args: List[str]) -> None:
 
 
 def _split(argv: List[str], parser: argparse.ArgumentParser):
-    """(quiet, status, module, script, script_args): options up to SCRIPT or -m MODULE, the rest the
-    script's. Exits 2 with the usage for an unknown option or a missing SCRIPT."""
+    """(quiet, status, module, script, script_args, integrations): options up to SCRIPT or -m MODULE,
+    the rest the script's. Exits 2 with the usage for an unknown option or a missing SCRIPT."""
     quiet = status = False
+    integrations: List[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -133,12 +140,14 @@ def _split(argv: List[str], parser: argparse.ArgumentParser):
             quiet = True
         elif a == "--status":
             status = True
+        elif a in ("--cupy", "--numba", "--rmm"):
+            integrations.append(a[2:])
         elif a == "-m" or (a.startswith("-m") and not a.startswith("--")):
             module = a[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
             if not module:
                 parser.error("argument -m: expected a MODULE")
             rest = argv[i + 1:] if a != "-m" else argv[i + 2:]
-            return quiet, status, module, None, rest
+            return quiet, status, module, None, rest, integrations
         elif a.startswith("-") and a != "-":
             parser.error(f"unrecognized option {a!r} before SCRIPT (options for the script go after it)")
         else:
@@ -146,13 +155,29 @@ def _split(argv: List[str], parser: argparse.ArgumentParser):
         i += 1
     if i >= len(argv):
         parser.error("the following arguments are required: SCRIPT (or -m MODULE)")
-    return quiet, status, None, argv[i], argv[i + 1:]
+    return quiet, status, None, argv[i], argv[i + 1:], integrations
+
+
+def _use_integrations(names: List[str]) -> None:
+    """--cupy, --numba, --rmm: the libraries allocate from gpumem's pool before the script starts.
+    ImportError naming a missing package, RuntimeError when gpumem cannot serve them."""
+    for name in dict.fromkeys(names):
+        if name == "numba":
+            from ._integrations import bridge_for, require
+
+            # Numba reads the variable when the script imports it (child processes inherit it).
+            if importlib.util.find_spec("numba") is None:
+                require("numba.cuda", "numba-cuda", "gpumem run --numba")
+            bridge_for("gpumem run --numba")
+            os.environ["NUMBA_CUDA_MEMORY_MANAGER"] = "gpumem.numba"
+        else:
+            importlib.import_module(f"gpumem.{name}").use()
 
 
 def main(argv: List[str], prog: str = "python -m gpumem run") -> int:
     """Runs the script; returns its exit status (``sys.exit`` inside it propagates as it would)."""
     parser = _parser(prog)
-    quiet, status, module, script, args = _split(list(argv), parser)
+    quiet, status, module, script, args, integrations = _split(list(argv), parser)
     name = prog
 
     # gpumem first: torch's allocator before the script can touch CUDA. The command line's own import
@@ -187,6 +212,12 @@ def main(argv: List[str], prog: str = "python -m gpumem run") -> int:
         if not found:
             print(f"{name}: No module named {module}", file=sys.stderr)
             return 1
+
+    try:
+        _use_integrations(integrations)
+    except (ImportError, RuntimeError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
 
     if status or not quiet:
         print(gpumem.status_line(), file=sys.stderr, flush=True)

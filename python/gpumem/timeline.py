@@ -16,10 +16,10 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ._format import UNIT_BYTES, unit_for
-from ._stats import allocated_reserved, tracked_devices
+from ._stats import get_stats, library_bytes, tracked_devices
 
 __all__ = ["Sample", "Timeline", "record", "default_timeline", "plot_timeline"]
 
@@ -30,24 +30,37 @@ class Sample:
     allocated: int
     reserved: int
     label: Optional[str] = None
+    # Live bytes per library drawing from gpumem's pool ({"torch": ..., "cupy": ...}); None when the
+    # sampler does not report them (PyTorch's allocator, custom samplers).
+    libraries: Optional[Dict[str, int]] = None
 
 
-def _default_sampler(device: Any) -> Callable[[], Tuple[int, int]]:
-    def sample() -> Tuple[int, int]:
-        return allocated_reserved(tracked_devices() if device is None else [device])
+# (allocated, reserved) or (allocated, reserved, {library: live bytes} or None)
+Sampled = Tuple[Any, ...]
+
+
+def _default_sampler(device: Any) -> Callable[[], Sampled]:
+    def sample() -> Sampled:
+        devices = tracked_devices() if device is None else [device]
+        stats = [get_stats(d) for d in devices]
+        a = sum(int(s.get("allocated_bytes.all.current", 0)) for s in stats)
+        r = sum(int(s.get("reserved_bytes.all.current", 0)) for s in stats)
+        return a, r, (library_bytes(devices, stats) or None)
 
     return sample
 
 
 class Timeline:
-    """Samples of (time, allocated, reserved, label).
+    """Samples of (time, allocated, reserved, label, live bytes per library).
 
-    ``sampler``: a callable returning ``(allocated, reserved)``; default reads the allocator stats of
-    ``device`` (None: the sum over every device in use).  Holds at most ``maxlen`` samples.
+    ``sampler``: a callable returning ``(allocated, reserved)`` or ``(allocated, reserved,
+    {library: live bytes})``; default reads the allocator stats of ``device`` (None: the sum over
+    every device in use), with each library's live bytes when gpumem's pool serves them.  Holds at
+    most ``maxlen`` samples.
     """
 
     def __init__(self, device: Any = None, interval: float = 0.05, maxlen: int = 100_000,
-                 sampler: Optional[Callable[[], Tuple[int, int]]] = None):
+                 sampler: Optional[Callable[[], Sampled]] = None):
         self.device = device
         self.interval = float(interval)
         self.samples: collections.deque[Sample] = collections.deque(maxlen=maxlen)
@@ -58,15 +71,17 @@ class Timeline:
 
     # -- adding samples -------------------------------------------------------------------
     def add(self, allocated: int, reserved: int, t: Optional[float] = None,
-            label: Optional[str] = None) -> Sample:
-        s = Sample(time.monotonic() if t is None else float(t), int(allocated), int(reserved), label)
+            label: Optional[str] = None, libraries: Optional[Dict[str, int]] = None) -> Sample:
+        libs = {k: int(v) for k, v in libraries.items()} if libraries else None
+        s = Sample(time.monotonic() if t is None else float(t), int(allocated), int(reserved), label, libs)
         with self._lock:
             self.samples.append(s)
         return s
 
     def sample(self, label: Optional[str] = None) -> Sample:
-        a, r = self._sampler()
-        return self.add(a, r, label=label)
+        got = self._sampler()
+        libraries = got[2] if len(got) > 2 else None
+        return self.add(got[0], got[1], label=label, libraries=libraries)
 
     mark = sample
 
@@ -140,6 +155,7 @@ class Timeline:
             "allocated": [s.allocated for s in snap],
             "reserved": [s.reserved for s in snap],
             "label": [s.label for s in snap],
+            "libraries": [s.libraries for s in snap],
         }
 
     def plot(self, ax: Any = None, title: Optional[str] = None):
@@ -194,6 +210,12 @@ def plot_timeline(tl: Timeline, ax: Any = None, title: Optional[str] = None):
         i_pk = max(range(len(al)), key=al.__getitem__)
         ax.annotate(f"peak {al[i_pk]:.2f} {unit}", (xs[i_pk], al[i_pk]), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)
+        # Each library drawing from the pool, beside the totals, once any but torch allocated.
+        names = sorted({n for s in snap if s.libraries for n in s.libraries})
+        if any(n != "torch" and any(s.libraries and s.libraries.get(n) for s in snap) for n in names):
+            for n in names:
+                ys = [(s.libraries or {}).get(n, 0) / scale for s in snap]
+                ax.step(xs, ys, where="post", label=n, lw=1.0, ls="--")
         labelled = [(x, s.label) for x, s in zip(xs, snap) if s.label]
         if len(labelled) <= 40:
             for x, lab in labelled:

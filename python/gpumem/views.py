@@ -8,11 +8,11 @@ reported as such.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ._format import fmt_bytes
 from ._optional import import_torch
-from ._stats import allocated_reserved, cuda_state, get_stats, pool_active, tracked_devices
+from ._stats import LIBRARIES, allocated_reserved, cuda_state, get_stats, pool_active, tracked_devices
 from .timeline import default_timeline, plot_timeline
 
 # get_stats, allocated_reserved, cuda_state, tracked_devices and fmt_bytes are re-exported: they
@@ -46,6 +46,23 @@ def _largest_free_native(torch: Any, device: int) -> Optional[int]:
     return best
 
 
+def _library_lines(s: Dict[str, Any]) -> List[str]:
+    """The live bytes of each library drawing from gpumem's pool (torch, CuPy, Numba, RMM), beside
+    the totals above; only libraries that allocated something. Nothing for PyTorch's allocator."""
+    lines = []
+    for name in LIBRARIES:
+        cur = s.get(f"gpumem.library.{name}.current")
+        peak = int(s.get(f"gpumem.library.{name}.peak", 0) or 0)
+        if cur is None or (not cur and not peak):
+            continue
+        blocks = int(s.get(f"gpumem.library.{name}.allocations", 0) or 0)
+        lines.append(f"    {name:<11} {fmt_bytes(int(cur)):>11}   peak {fmt_bytes(peak)}   "
+                     f"({blocks} block{'s' if blocks != 1 else ''})")
+    if lines:
+        lines.insert(0, "  by library    (live bytes drawn from the pool)")
+    return lines
+
+
 def _device_summary(torch: Any, i: int) -> List[str]:
     s = get_stats(i)
     pool = "gpumem pool" if pool_active() else "PyTorch caching allocator"
@@ -73,6 +90,7 @@ def _device_summary(torch: Any, i: int) -> List[str]:
     if largest is not None:
         lines.append(f"  largest free  {fmt_bytes(largest):>11}   "
                      f"(biggest block available without new device memory)")
+    lines.extend(_library_lines(s))
     cap = s.get("gpumem.cap_bytes")
     if cap is not None:
         lines.append(f"  cap           {fmt_bytes(cap) if cap else 'none':>11}")
@@ -90,7 +108,8 @@ def _device_summary(torch: Any, i: int) -> List[str]:
 
 def summary(device: Any = None) -> str:
     """A short human-readable memory summary (allocated, reserved, peaks, fragmentation,
-    largest free block, cap) for ``device`` (index, ``torch.device`` or None = every device in use)."""
+    largest free block, live bytes per library drawing from gpumem's pool, cap) for ``device``
+    (index, ``torch.device`` or None = every device in use)."""
     torch = import_torch()
     if torch is None:
         return Text("gpumem: PyTorch is not importable, so there is no GPU memory to show.")

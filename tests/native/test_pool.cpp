@@ -288,7 +288,11 @@ TEST(try_free_returns_false_and_changes_nothing_for_pointers_not_live_here) {
       CHECK(!s.pool->try_free(bad));
       CHECK_EQ(fingerprint(*s.pool), before);
     }
-    CHECK(s.pool->try_free(b));
+    std::size_t freed = 1;
+    CHECK(!s.pool->try_free(b + 512, &freed));
+    CHECK_EQ(freed, std::size_t(1));  // untouched on a miss
+    CHECK(s.pool->try_free(b, &freed));
+    CHECK_EQ(freed, std::size_t(8192));  // the block's size, for callers that count bytes
     CHECK(!s.pool->try_free(b));  // double
     CHECK_EQ(cur(s.pool->stats().allocation), 0);
     s.pool->validate();

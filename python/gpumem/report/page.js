@@ -28,6 +28,7 @@ function setupCanvas(cv, cssHeight) {
   cv.style.height = cssHeight + "px"; cv.width = Math.round(w * dpr); cv.height = Math.round(cssHeight * dpr);
   const g = cv.getContext("2d"); g.setTransform(dpr, 0, 0, dpr, 0, 0); return [g, w, cssHeight];
 }
+// The canvas's place on the page, for tests that look at a screenshot.
 function markRect(cv) {
   const r = cv.getBoundingClientRect();
   cv.setAttribute("data-rect", [r.left + scrollX, r.top + scrollY, r.width, r.height].map(Math.round).join(","));
@@ -37,7 +38,8 @@ function lower(a, v) { let lo = 0, hi = a.length - 1; while (lo < hi) { const m 
 function drawTimeline() {
   const T = D.timeline, cv = document.getElementById("timeline");
   const [g, W, H] = setupCanvas(cv, 320), L = 72, R = 14, TOP = 18, B = 30, pw = W - L - R, ph = H - TOP - B;
-  const n = T.x.length, x0 = T.x[0], x1 = Math.max(T.x[n - 1], x0 + 1);
+  // 1% of room on the right, so that a marker on the last event is not drawn over by the frame
+  const n = T.x.length, x0 = T.x[0], x1 = Math.max(T.x[n - 1] + (T.x[n - 1] - x0) * 0.01, x0 + 1);
   let ymax = 1; for (let i = 0; i < n; i++) ymax = Math.max(ymax, T.amax[i], T.rmax[i]);
   ymax *= 1.08;
   const X = x => L + (x - x0) / (x1 - x0) * pw, Y = y => TOP + ph - y / ymax * ph;
@@ -78,7 +80,6 @@ function drawTimeline() {
     const i = lower(T.x, x);
     out.textContent = `${fmtX(T.x[i] - x0)}: allocated ${fmt(T.amin[i])}..${fmt(T.amax[i])}, reserved ${fmt(T.rmin[i])}..${fmt(T.rmax[i])}`;
   });
-  markRect(cv);
 }
 
 function drawSegments() {
@@ -106,7 +107,6 @@ function drawSegments() {
     out.textContent = `segment ${s.address}: ${fmt(s.size)} ${s.type}${s.expandable ? " (expandable)" : ""}, ` +
       `${fmt(s.allocated)} in use, ${s.blocks} blocks` + (c ? `; here: ${["free hole", "allocated", "freed, pending"][c[2]]} of ${fmt(c[1])}` : "");
   });
-  markRect(cv);
 }
 
 function frameList(frames) {
@@ -139,6 +139,7 @@ function fillTables() {
 
 const t0 = performance.now();
 drawTimeline(); drawSegments(); fillTables();
+for (const cv of document.querySelectorAll("canvas")) markRect(cv);  // once the tables above them are filled
 document.getElementById("cpp-toggle").addEventListener("change", e => document.body.classList.toggle("hide-cpp", !e.target.checked));
 const now = performance.now();
 document.documentElement.setAttribute("data-draw-ms", (now - t0).toFixed(1));

@@ -1,5 +1,5 @@
 // gpumem report: runs first, in <head>: records script errors, unhandled rejections and console.error
-// into <html data-errors=N> and <pre id="errors">, where a reader and headless tests see them.
+// into the data-errors attribute of the html element and the errors pre element, where a reader and headless tests see them.
 window.__errors = [];
 function __record(msg) {
   window.__errors.push(String(msg));

@@ -13,9 +13,9 @@ from pathlib import Path
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import headless  # noqa: E402
+import headless
 
-from gpumem.report import examples, report  # noqa: E402
+from gpumem.report import examples, report
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "images"
 

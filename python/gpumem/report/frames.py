@@ -6,6 +6,7 @@ Python frame outside torch and the site packages.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List
 
 __all__ = ["frame_text", "page_frames", "site_of"]
@@ -22,8 +23,10 @@ _OMIT_NAMES = ("unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp",
                "__libc_start_main", "PyEval_", "PyObject_", "PyFunction_")
 _OMIT_FILES = ("core/boxing", "/Register", "/Redispatch", "pythonrun.c", "Modules/main.c",
                "Objects/call.c", "Objects/methodobject.c", "pycore_ceval.h", "ceval.c", "cpython/abstract.h")
-# Python frames inside these are torch's (or gpumem's) own, not the user's code that allocated.
-_LIBRARY_PARTS = ("/torch/", "\\torch\\", "/gpumem/", "/site-packages/", "<frozen ")
+# Python frames inside these are torch's (or gpumem's, or another package's) own, not the user's code
+# that allocated. gpumem by its installed folder: a user's project may well be called gpumem.
+_GPUMEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_PARTS = ("/torch/", "\\torch\\", "/site-packages/", "/dist-packages/", "<frozen ", _GPUMEM_DIR)
 
 
 def _keep(f: Dict[str, Any]) -> bool:

@@ -206,3 +206,47 @@ def test_a_large_trace_becomes_a_small_page(tmp_path):
     assert max(tl["amax"]) == tl["peak_allocated"] == exact_peak
     out = report(tmp_path / "big.html", snapshot=rec.snapshot(), points=1000)
     assert out.stat().st_size < 600_000
+
+
+def test_who_holds_memory_names_parameters_state_variables_and_the_traceback():
+    """live.holders on CPU tensors (the CUDA ones of a live process are tested on the GPU machine,
+    tests/gpu/test_report_gpu.py): the kinds add up to the bytes each kind really holds."""
+    import torch
+
+    from gpumem.report import live
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    batch = {"x": torch.randn(300, 500)}
+
+    def failing_step():
+        pinned = torch.empty(1 << 20, dtype=torch.uint8)  # noqa: F841  (kept by the traceback only)
+        raise RuntimeError("step failed")
+
+    saved = {k: getattr(sys, k, None) for k in ("last_exc", "last_value", "last_traceback")}
+    try:
+        try:
+            failing_step()
+        except RuntimeError as e:
+            sys.last_exc = sys.last_value = e
+            sys.last_traceback = e.__traceback__
+        ns = {"model": model, "opt": opt, "batch": batch}
+        h = live.holders([ns], top=5, pred=lambda t: t.device.type == "cpu")
+    finally:
+        for k, v in saved.items():
+            setattr(sys, k, v)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert h["by_kind"]["parameters and buffers"] == params
+    assert h["by_kind"]["optimizer state"] == 2 * params + sum(  # exp_avg, exp_avg_sq, and Adam's steps
+        s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    assert h["by_kind"]["variables"] == 300 * 500 * 4
+    assert h["traceback"]["bytes"] == 1 << 20 and "step failed" in h["traceback"]["exception"]
+    assert any("failing_step" in f for f in h["traceback"]["frames"])
+    first, second = h["holders"][:2]
+    assert (first["bytes"], first["kind"]) == (1 << 20, "last exception's traceback")
+    assert (second["bytes"], second["kind"], second["refs"]) == (300 * 500 * 4, "variables", ["batch['x']"])
+    kinds = {r["kind"] for r in h["holders"]}
+    assert {"parameters and buffers", "optimizer state"} <= kinds

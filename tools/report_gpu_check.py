@@ -78,6 +78,12 @@ def train(steps: int = 30):
     return model, opt
 
 
+def page_data(page: Path) -> dict:
+    """The figures a report page carries (its JSON block)."""
+    text = page.read_text()
+    return json.loads(text.split('id="report-data">', 1)[1].split("</script>", 1)[0].replace("<\\/", "</"))
+
+
 def report_and_time(out: Path, snapshot=None, **kw) -> float:
     t0 = time.perf_counter()
     gpumem.report(out, snapshot=snapshot, _stacklevel=2, **kw)
@@ -107,8 +113,7 @@ def main() -> int:
     torch.cuda.memory._dump_snapshot(str(snap_path))
     results["file_write_s"] = report_and_time(out / f"report_train_{tag}.html", snapshot=snap_path)
     a = analyze(load_snapshot(snap_path))
-    page = live.read_text()
-    data = json.loads(page.split('id="report-data">', 1)[1].split("</script>", 1)[0].replace("<\\/", "</"))
+    data = page_data(live)
     print(f"live report ({tag}): {data['diagnosis']}")
     check(data["totals"]["allocated"] == allocated,
           f"page's allocated {data['totals']['allocated']} == memory_allocated() {allocated}")
@@ -144,7 +149,7 @@ def main() -> int:
         results["dump_s"] = time.perf_counter() - t0
         results["big_snapshot_bytes"] = big.stat().st_size
         results["big_write_s"] = report_and_time(out / f"report_1e6_{tag}.html", snapshot=big)
-        tl = analyze(load_snapshot(big))["timeline"]
+        tl = page_data(out / f"report_1e6_{tag}.html")["timeline"]
         results["big_events"] = tl["events"]
         check(tl["events"] >= 0.99 * args.events, f"{tl['events']:,} events in the large snapshot")
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -72,14 +72,15 @@ def _kind(name: str, modules: Set[str]) -> str:
     return "variables"
 
 
-def _tensors_in(obj: Any, torch: Any, out: Dict[Tuple, int], depth: int = 3, seen: Any = None) -> None:
-    """Storage keys of the CUDA tensors ``obj`` reaches through containers and attributes."""
+def _tensors_in(obj: Any, torch: Any, pred: Any, out: Dict[Tuple, int], depth: int = 3,
+                seen: Any = None) -> None:
+    """Storage keys of the tracked tensors ``obj`` reaches through containers and attributes."""
     seen = set() if seen is None else seen
     if id(obj) in seen or obj is None or isinstance(obj, _ATOMS):
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        if obj.is_cuda:
+        if pred(obj):
             k = _storage_key(obj)
             if k is not None:
                 out[k] = k[2]
@@ -88,7 +89,7 @@ def _tensors_in(obj: Any, torch: Any, out: Dict[Tuple, int], depth: int = 3, see
         return
     if isinstance(obj, torch.nn.Module):
         for t in list(obj.parameters()) + list(obj.buffers()):
-            _tensors_in(t, torch, out, 0, seen)
+            _tensors_in(t, torch, pred, out, 0, seen)
         return
     if isinstance(obj, dict):
         items = list(obj.values())[:10000]
@@ -98,11 +99,11 @@ def _tensors_in(obj: Any, torch: Any, out: Dict[Tuple, int], depth: int = 3, see
         d = getattr(obj, "__dict__", None)
         items = list(d.values()) if isinstance(d, dict) else []
     for v in items:
-        _tensors_in(v, torch, out, depth - 1, seen)
+        _tensors_in(v, torch, pred, out, depth - 1, seen)
 
 
-def _traceback_bytes(named: Set[Tuple], torch: Any) -> Dict[str, Any]:
-    """Bytes of CUDA storages that the last exception's finished frames keep and no name reaches."""
+def _traceback_bytes(named: Set[Tuple], torch: Any, pred: Any) -> Dict[str, Any]:
+    """Bytes of tracked storages that the last exception's finished frames keep and no name reaches."""
     tbs, text = pinned_tracebacks(_get_shell(), include_active=False)
     found: Dict[Tuple, int] = {}
     frames: List[str] = []
@@ -115,21 +116,23 @@ def _traceback_bytes(named: Set[Tuple], torch: Any) -> Dict[str, Any]:
                 seen_frames.add(id(f))
                 before = sum(found.values())
                 for v in list(f.f_locals.values()):
-                    _tensors_in(v, torch, found)
+                    _tensors_in(v, torch, pred, found)
                 if sum(found.values()) > before:
                     frames.append(f"{f.f_code.co_filename}:{tb.tb_lineno} {f.f_code.co_name}")
             tb = tb.tb_next
-    held = sum(b for k, b in found.items() if k not in named)
+    held = {k: b for k, b in found.items() if k not in named}
     last = text.strip().splitlines()[-1] if text.strip() else ""
-    return {"bytes": held, "exception": last[:200], "frames": frames[:10]}
+    return {"bytes": sum(held.values()), "exception": last[:200], "frames": frames[:10],
+            "storages": sorted({(k[0], b) for k, b in held.items()})}
 
 
-def holders(spaces: List[dict], top: int = 20) -> Dict[str, Any]:
-    """Who holds this process's CUDA memory (JSON-able; see the module's docstring)."""
+def holders(spaces: List[dict], top: int = 20, pred: Any = None) -> Dict[str, Any]:
+    """Who holds this process's CUDA memory (JSON-able; see the module's docstring). ``pred``: which
+    tensors count (default: CUDA tensors, as cleanup tracks them)."""
     torch = import_torch()
     if torch is None:  # live_snapshot checked; here for a direct call
         raise RuntimeError("who holds GPU memory needs PyTorch, which is not importable")
-    pred = _make_pred(False, None)
+    pred = pred or _make_pred(False, None)
     named = _name_tensors(spaces, pred)
     modules = {k for ns in spaces for k, v in list(ns.items())
                if isinstance(k, str) and isinstance(v, torch.nn.Module)}
@@ -138,11 +141,17 @@ def holders(spaces: List[dict], top: int = 20) -> Dict[str, Any]:
         kind = min((_kind(n, modules) for n in names), key=_KIND_ORDER.index)
         by_kind[kind] += key[2]
     found, explained = find_holders(spaces, pred, top=top)
-    rows = [{"bytes": h.nbytes, "device": h.device, "shape": list(h.shape), "dtype": h.dtype,
-             "refs": h.refs[:6], "kind": _holder_kind(h.refs, modules)} for h in found]
+    tb = _traceback_bytes(set(named), torch, pred)
+    pinned = {tuple(x) for x in tb.pop("storages")}  # (device, bytes) of what only the traceback keeps
+    rows = []
+    for h in found:
+        kind = _holder_kind(h.refs, modules)
+        if kind == "unnamed object" and (h.device, h.nbytes) in pinned:  # no name, a traceback's size
+            kind = "last exception's traceback"
+        rows.append({"bytes": h.nbytes, "device": h.device, "shape": list(h.shape), "dtype": h.dtype,
+                     "refs": h.refs[:6], "kind": kind})
     allocated = allocated_reserved(tracked_devices())[0]
     cuda_explained = sum(v for k, v in explained.items() if k.startswith("cuda"))
-    tb = _traceback_bytes(set(named), torch)
     return {"holders": rows, "by_kind": by_kind, "explained": cuda_explained,
             "unexplained": max(allocated - cuda_explained - tb["bytes"], 0), "traceback": tb,
             "summary": f"{fmt_bytes(cuda_explained)} reached from Python names or objects"}

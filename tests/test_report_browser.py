@@ -112,3 +112,38 @@ def test_a_large_snapshot_opens_quickly(tmp_path):
     st = headless.state(headless.dump_dom(page, BROWSER))
     assert st["rendered"] == "ok" and st["errors"] == 0, st["error_text"]
     assert st["render_ms"] < 3000, st
+
+
+def test_a_page_with_holders_renders_them(tmp_path):
+    """The live report's holders table (the holder analysis of CPU tensors here; on a GPU, of CUDA
+    ones: tests/gpu/test_report_gpu.py)."""
+    import torch
+
+    from gpumem.report import live
+    from gpumem.report.load import load_snapshot
+
+    model = torch.nn.Linear(256, 256)
+    snap = load_snapshot(examples()[0])
+    snap.holders = live.holders([{"model": model}], pred=lambda t: t.device.type == "cpu")
+    page = report(tmp_path / "h.html", snapshot=snap)
+    dom = headless.dump_dom(page, BROWSER)
+    st = headless.state(dom)
+    assert st["rendered"] == "ok" and st["errors"] == 0, st["error_text"]
+    assert "model.weight" in dom and "parameters and buffers" in dom
+
+
+@pytest.mark.parametrize("strip", ["times", "trace", "everything"])
+def test_sparse_snapshots_render(tmp_path, strip):
+    """No times (the x axis counts events), no trace (history off), no segments at all."""
+    import gzip
+    import pickle
+
+    data = pickle.loads(gzip.decompress(next(p for p in examples() if ".pickle" in p.name).read_bytes()))
+    for e in data["device_traces"][0]:
+        e.pop("time_us")
+    if strip in ("trace", "everything"):
+        data["device_traces"] = [[]]
+    if strip == "everything":
+        data["segments"] = []
+    st = headless.state(headless.dump_dom(report(tmp_path / "s.html", snapshot=data), BROWSER))
+    assert st["rendered"] == "ok" and st["errors"] == 0, st["error_text"]

@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py"]
+SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
+           "report_bench.py"]
 
 
 def run(args, cwd, **kw):
@@ -149,5 +150,6 @@ def test_gpu_session_names_its_phases(tmp_path):
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
     assert r.returncode == 2
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
-    assert phases == ["build", "suite", "sanitizer", "compare", "batch", "ddp", "soak-start", "soak-collect"]
+    assert phases == ["build", "suite", "sanitizer", "compare", "batch", "ddp", "soak-start", "soak-collect",
+                      "report"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()

@@ -32,7 +32,8 @@ EXAMPLES_DIR = Path(__file__).with_name("examples")
 
 
 def examples() -> List[Path]:
-    """The snapshots bundled with gpumem (synthesized from a trace replay: ``examples/README.md`` says how)."""
+    """The snapshots bundled with gpumem (synthesized from a trace replay: ``examples/README.md``
+    says how)."""
     return sorted(p for p in EXAMPLES_DIR.iterdir() if p.name.startswith("resnet50"))
 
 

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
-           "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py"]
+           "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py"]
 
 
 def run(args, cwd, **kw):
@@ -151,7 +151,7 @@ def test_gpu_session_names_its_phases(tmp_path):
     assert r.returncode == 2
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
     assert phases == ["build", "suite", "sanitizer", "compare", "mixed", "batch", "ddp", "soak-start",
-                      "soak-collect"]
+                      "soak-collect", "report"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()
 
 

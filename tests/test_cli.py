@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from gpumem.replay import bundled_traces
+from gpumem.report import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -110,8 +111,9 @@ def _readme_commands() -> dict:
 
 def test_every_command_and_option_in_the_readme_is_accepted(cwd):
     cmds = _readme_commands()
-    assert set(cmds) == {"replay", "status", "run"}, cmds
+    assert set(cmds) == {"replay", "status", "run", "report"}, cmds
     assert {"--quiet", "--status"} <= cmds["run"]
+    assert {"--output", "--device", "--example"} <= cmds["report"]
     assert {"--upstream", "--release", "--page-size", "--capacity", "--json", "--quiet"} <= cmds["replay"]
     assert "--watch" in cmds["status"]
     for sub, options in cmds.items():
@@ -126,7 +128,7 @@ def test_top_level_help_lists_every_command(cwd):
     r = run(cwd, "--help")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: python -m gpumem")
-    assert all(c in r.stdout for c in ("replay", "status", "run"))
+    assert all(c in r.stdout for c in ("replay", "status", "run", "report"))
 
 
 @pytest.mark.parametrize("args, usage", [
@@ -138,6 +140,8 @@ def test_top_level_help_lists_every_command(cwd):
     (["status", "--bogus"], "usage: python -m gpumem status"),
     (["status", "--watch", "soon"], "usage: python -m gpumem status"),
     (["status", "--count", "0"], "usage: python -m gpumem status"),
+    (["report", "--bogus"], "usage: python -m gpumem report"),
+    (["report", "--device", "one"], "usage: python -m gpumem report"),
 ])
 def test_a_bad_option_exits_2_with_the_usage(cwd, args, usage):
     r = run(cwd, *args)
@@ -197,6 +201,42 @@ def test_a_malformed_trace_names_file_and_line(cwd):
     assert f"{bad}:3: " in r.stderr and "Traceback" not in r.stderr
     r = run(cwd, "replay", "--json", "bad.trace")  # relative to the folder it runs in
     assert r.returncode != 0 and "bad.trace:3: " in r.stderr and r.stdout == ""
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("example", examples(), ids=lambda p: p.name)
+def test_report_of_each_bundled_snapshot(cwd, example):
+    r = run(cwd, "report", str(example), "-o", "out.html")
+    assert r.returncode == 0, r.stderr
+    page = (cwd / "out.html").read_text()
+    assert r.stdout.startswith(f"out.html: report of {example} (") and "written in" in r.stdout
+    assert page.startswith("<!DOCTYPE html>") and 'id="report-data"' in page
+    assert "It ran out of memory 1 time" in page
+
+
+def test_report_options(cwd):
+    r = run(cwd, "report", "--example", "--output", "ex.html", "--device", "0")
+    assert r.returncode == 0, r.stderr
+    assert (cwd / "ex.html").is_file()
+    r = run(cwd, "report", "--example")  # default file name, in the folder it runs in
+    assert r.returncode == 0 and (cwd / "gpumem-report.html").is_file(), r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "gpumem report: give a snapshot file"),
+    (["missing.pickle"], "gpumem report: missing.pickle: no such snapshot file"),
+    (["bad.pickle"], "gpumem report: bad.pickle: not a memory snapshot"),
+    (["--example", "bad.pickle"], "gpumem report: give a SNAPSHOT or --example, not both"),
+    (["--example", "--device", "3"], "gpumem report: "),
+])
+def test_report_errors_exit_2_with_one_line(cwd, args, message):
+    (cwd / "bad.pickle").write_bytes(b"these bytes are no snapshot")
+    r = run(cwd, "report", *args, "-o", "r.html")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith(message) and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert not (cwd / "r.html").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,5 +343,7 @@ def test_console_script(cwd):
     r = run(cwd, "replay", "--json", "--capacity", "8GiB", str(bundled_traces()[1]), exe=[script])
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["capacity_bytes"] == 8 << 30
+    r = run(cwd, "report", "--example", "-o", "s.html", exe=[script])
+    assert r.returncode == 0 and (cwd / "s.html").is_file(), r.stderr
     r = run(cwd, "status", "--bogus", exe=[script])
     assert r.returncode == 2 and r.stderr.startswith("usage: gpumem status")

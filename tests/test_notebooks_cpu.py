@@ -34,6 +34,9 @@ EXPECTED = [
     "PyTorch on the H200: native 1.120, expandable segments 1.007, cudaMallocAsync 1.008",
     "resnet50 on a 4 GiB device:",
     "$ python -m gpumem status   (exit 0)",
+    "resnet50_native.pickle.gz -> resnet50_report.html:",
+    "fragmentation 92%, OOMs 1",
+    "It ran out of memory 1 time; the first time it asked for 4.00 GiB",
 ]
 # What the last section says on a machine without a GPU (it shows the GPU on one).
 EXPECTED_WITHOUT_GPU = [

@@ -11,6 +11,7 @@
 #   bash tools/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
 #   bash tools/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
 #   bash tools/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
+#   bash tools/gpu_session.sh report           # gpumem.report: live training, 10^6 events; gpumem, native
 #
 # The soak outlasts one call (10 minutes of steps plus start-up), so soak-start detaches it (setsid)
 # and soak-collect, in a call made while the machine is still warm, picks it up. compare, ddp and the
@@ -78,6 +79,16 @@ case "${1:-}" in
     grep -E "^\[rank|Error" "$OUT/ddp.log" | cut -c1-400
     exit $rc
     ;;
+  report)
+    # tools/report_gpu_check.py with gpumem as torch's allocator, then with PyTorch's own (fewer
+    # events: the native run checks the same pages, the 10^6 one is gpumem's)
+    python3 tools/report_gpu_check.py --tag gpumem > "$OUT/report_gpumem.log" 2>&1
+    rc=$?
+    GPUMEM_DISABLE=1 python3 tools/report_gpu_check.py --tag native --events 100000 > "$OUT/report_native.log" 2>&1
+    rc2=$?
+    grep -E "ok  |FAIL|checks|Error|^\{|^live report|bytes$" "$OUT/report_gpumem.log" "$OUT/report_native.log" | cut -c1-600
+    exit $(( rc || rc2 ))
+    ;;
   soak-start)
     rm -rf "$SOAK" && mkdir -p "$SOAK"
     last=$(( $(gpus) - 1 ))
@@ -102,7 +113,7 @@ case "${1:-}" in
     cp "$SOAK"/*.log "$OUT/"
     ;;
   *)
-    sed -n '2,17p' "$SELF"
+    sed -n '2,18p' "$SELF"
     exit 2
     ;;
 esac

@@ -28,7 +28,9 @@ What users call is ``gpumem.<name>`` (``__all__``); the underscored modules (``_
 * Other GPU libraries from the same pool: ``gpumem.cupy.use()``, ``gpumem.numba.use()`` (or
   ``NUMBA_CUDA_MEMORY_MANAGER=gpumem.numba``), ``gpumem.rmm.use()``; ``stats()`` and ``summary()``
   show each library's live bytes.
-* Tools: ``find_batch_size``, ``cleanup``, ``summary``, ``plot``, ``record``, ``%load_ext gpumem``.
+* Tools: ``find_batch_size``, ``cleanup``, ``summary``, ``plot``, ``record``, ``report`` (one HTML
+  page: timeline, largest allocations and their stacks, segments, holders, diagnosis),
+  ``%load_ext gpumem``.
 """
 from __future__ import annotations
 
@@ -82,6 +84,10 @@ from .allocator import cap, set_cap, trim, validate  # noqa: E402
 # function even after some module has imported the `gpumem.cleanup` submodule.
 from .cleanup import CleanupReport, cleanup  # noqa: E402
 from .ipython_ext import load_ipython_extension, unload_ipython_extension  # noqa: E402
+
+# The report package imports only itself here (its modules load when report() is called); bound
+# after the import so that `gpumem.report` is the function, as `gpumem.cleanup` is.
+from .report import report  # noqa: E402
 from .timeline import Timeline, record  # noqa: E402
 from .views import plot, summary  # noqa: E402
 
@@ -134,7 +140,7 @@ __all__ = [
     "Pool", "SimulatedDevice", "cuda_upstream", "InvariantViolation", "Config", "parse_config", "replay",
     # tools
     "find_batch_size", "BatchSizeResult", "BatchSizeError", "cleanup", "CleanupReport", "summary", "plot",
-    "Timeline", "record", "load_ipython_extension", "unload_ipython_extension",
+    "Timeline", "record", "report", "load_ipython_extension", "unload_ipython_extension",
     # distributed training: one rank's failure made known to every rank
     "check_ranks", "RankFailure", "RankOutOfMemoryError",
 ]

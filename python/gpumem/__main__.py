@@ -1,12 +1,14 @@
 """Command line (``python -m gpumem`` or the ``gpumem`` script): ``replay [TRACE ...]`` replays allocation
 traces through the pool on a simulated device; ``status [--watch [SECONDS]] [--json]`` shows every GPU's
 memory and processes; ``run [--quiet] [--status] SCRIPT|-m MODULE [ARGS ...]`` runs an unchanged script
-with gpumem as torch's allocator (``gpumem.run``)."""
+with gpumem as torch's allocator (``gpumem.run``); ``report SNAPSHOT [-o FILE]`` writes the HTML memory
+report of a snapshot file (``gpumem.report``)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 from . import _C, status
 from . import run as run_cmd
@@ -65,6 +67,29 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import examples, report
+
+    if args.example:
+        if args.snapshot:
+            print("gpumem report: give a SNAPSHOT or --example, not both", file=sys.stderr)
+            return 2
+        args.snapshot = str(examples()[0])
+    if not args.snapshot:
+        print("gpumem report: give a snapshot file (torch.cuda.memory._dump_snapshot's pickle or gpumem's "
+              "JSON); a process reports on itself with gpumem.report() inside it", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        out = report(args.output, snapshot=args.snapshot, device=args.device)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"gpumem report: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: report of {args.snapshot} ({out.stat().st_size:,} bytes, written in "
+          f"{time.perf_counter() - t0:.2f} s)")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     return status.run(args)
 
@@ -81,9 +106,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     prog = prog or _prog()
     parser = argparse.ArgumentParser(
         prog=prog, description="gpumem's command line: replay allocation traces through the pool on a "
-                               "simulated device, show every GPU's memory and processes, or run a "
-                               "script with gpumem as PyTorch's CUDA allocator.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,status,run}")
+                               "simulated device, show every GPU's memory and processes, run a "
+                               "script with gpumem as PyTorch's CUDA allocator, or write the HTML "
+                               "memory report of a snapshot.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,status,run,report}")
     p = sub.add_parser("replay", help="replay allocation traces through the pool on a simulated device",
                        description="Replay allocation traces through gpumem's pool on a simulated device "
                                    "and print peak live, peak reserved, their ratio, upstream calls and "
@@ -109,6 +135,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a script (or -m MODULE) with gpumem as torch's CUDA allocator",
                        description=run_cmd.DESCRIPTION)
     run_cmd.add_arguments(r)
+    m = sub.add_parser("report", help="write the HTML memory report of a snapshot file",
+                       description="Write one self-contained HTML page (no network needed to open it) "
+                                   "from a memory snapshot: the allocated/reserved timeline with OOMs and "
+                                   "empty_cache marked, the largest allocations and their stacks, the "
+                                   "segments and their free holes, and a diagnosis.")
+    m.add_argument("snapshot", nargs="?", metavar="SNAPSHOT",
+                   help="torch.cuda.memory._dump_snapshot's pickle, or gpumem's JSON snapshot (gzip allowed)")
+    m.add_argument("-o", "--output", default="gpumem-report.html", metavar="FILE",
+                   help="the HTML file to write (default gpumem-report.html)")
+    m.add_argument("--device", type=int, metavar="N",
+                   help="the GPU to show (default: the one holding the most)")
+    m.add_argument("--example", action="store_true", help="report the example snapshot bundled with gpumem")
+    m.set_defaults(func=cmd_report, subparser=m)
     return parser
 
 

@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 from .._errors import exception_chain
 
-__all__ = ["release_tracebacks"]
+__all__ = ["release_tracebacks", "pinned_tracebacks"]
 
 
 def _clear_tb(tb: Optional[types.TracebackType], seen_frames: set) -> Tuple[int, int]:
@@ -45,12 +45,9 @@ def _clear_tb(tb: Optional[types.TracebackType], seen_frames: set) -> Tuple[int,
     return cleared, skipped
 
 
-def release_tracebacks(shell: Any = None, include_active: bool = True,
-                       extra: Sequence[BaseException] = ()) -> Tuple[List[str], str, int, int]:
-    """Release what the last error's traceback pins; keep the traceback text.
-
-    Returns ``(holders_touched, traceback_text, frames_cleared, frames_skipped)``.
-    """
+def pinned_tracebacks(shell: Any = None, include_active: bool = True, extra: Sequence[BaseException] = ()
+                      ) -> Tuple[List[Tuple[str, types.TracebackType]], str]:
+    """Every traceback that pins frames (named by where it was found), and the last error's text."""
     sources: List[Tuple[str, Any]] = []
     for attr in ("last_exc", "last_value"):
         v = getattr(sys, attr, None)
@@ -92,6 +89,16 @@ def release_tracebacks(shell: Any = None, include_active: bool = True,
         for e in exception_chain(v, seen):
             if e.__traceback__ is not None:
                 tbs.append((name, e.__traceback__))
+    return tbs, text
+
+
+def release_tracebacks(shell: Any = None, include_active: bool = True,
+                       extra: Sequence[BaseException] = ()) -> Tuple[List[str], str, int, int]:
+    """Release what the last error's traceback pins; keep the traceback text.
+
+    Returns ``(holders_touched, traceback_text, frames_cleared, frames_skipped)``.
+    """
+    tbs, text = pinned_tracebacks(shell, include_active, extra)
     frames_seen: set = set()
     touched: List[str] = []
     total_c = total_s = 0
@@ -102,4 +109,3 @@ def release_tracebacks(shell: Any = None, include_active: bool = True,
         if c and name not in touched:
             touched.append(name)
     return touched, text, total_c, total_s
-

@@ -42,6 +42,14 @@ OOM_NAMES = ("OutOfMemoryError", "CudaAPIError", "MemoryError")
 
 def setup(config: str):
     """Imports the libraries with `config`'s allocators; returns (cupy, torch, numba.cuda)."""
+    # numba-cuda (0.30 and older) registers an overload of np.row_stack, which NumPy 2.5 removed: every
+    # kernel launch then fails with AttributeError (NVIDIA/numba-cuda#907, not fixed upstream). The
+    # GPU machine has that pair; np.row_stack was an alias of np.vstack, so it is put back before
+    # numba loads. gpumem itself does not touch numpy.
+    import numpy
+
+    if not hasattr(numpy, "row_stack"):
+        numpy.row_stack = numpy.vstack
     if config == "gpumem":
         import gpumem  # first: torch's allocator before CUDA starts
 

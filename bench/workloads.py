@@ -47,7 +47,12 @@ def select_allocator(name: str) -> None:
     if name not in ALLOCATORS:
         raise SystemExit(f"unknown allocator {name!r}; expected one of {', '.join(ALLOCATORS)}")
     if name == "gpumem":
-        import gpumem  # noqa: F401  registers itself as torch's CUDA allocator
+        import gpumem  # registers itself as torch's CUDA allocator
+
+        import torch
+        if torch.cuda.is_available() and not gpumem.is_active():
+            # A figure labelled gpumem must never come from PyTorch's allocator.
+            raise SystemExit(f"gpumem is not torch's allocator: {gpumem.status_line()}")
     else:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = TORCH_ALLOC_CONF[name]
 

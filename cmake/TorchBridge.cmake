@@ -8,14 +8,9 @@ execute_process(
   RESULT_VARIABLE GPUMEM_TORCH_RESULT
   OUTPUT_STRIP_TRAILING_WHITESPACE)
 
-set(GPUMEM_BRIDGE_SOURCES
-  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/allocator.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/private_pools.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/introspection.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/oom.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/external_upstream.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/ipc.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/module.cpp)
+# Every .cpp of csrc/torch_bridge/ (as the core's sources are globbed): a file left out of a list
+# links into an extension that fails to load with an undefined symbol, on the GPU machine only.
+file(GLOB GPUMEM_BRIDGE_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/csrc/torch_bridge/*.cpp)
 
 if(NOT GPUMEM_TORCH_RESULT EQUAL 0)
   message(STATUS "gpumem: torch bridge skipped: torch is not importable by ${Python_EXECUTABLE}")

@@ -100,6 +100,8 @@ def main() -> int:
     tag = args.tag
     print(f"{gpumem.status_line()}; torch {torch.__version__}; {torch.cuda.get_device_name()}")
     results = {"tag": tag, "gpumem_active": gpumem.is_active()}
+    if tag == "gpumem" and not gpumem.is_active():
+        raise SystemExit(f"FAIL gpumem is not torch's allocator: {gpumem.status_line()}")
 
     # 1. a live training run
     torch.cuda.memory._record_memory_history(max_entries=200_000, context="all", stacks="all")

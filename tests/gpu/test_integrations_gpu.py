@@ -13,6 +13,16 @@ import textwrap
 import pytest
 from _run import clean_env
 
+# numba-cuda (0.30 and older) registers an overload of np.row_stack, which NumPy 2.5 removed: every
+# kernel launch then fails with AttributeError (NVIDIA/numba-cuda#907, not fixed upstream). The
+# GPU machine has that pair; np.row_stack was an alias of np.vstack, so it is put back before
+# numba loads. gpumem itself does not touch numpy.
+NUMPY_COMPAT = """
+import numpy
+if not hasattr(numpy, "row_stack"):
+    numpy.row_stack = numpy.vstack
+"""
+
 PRELUDE = """
 import gc, os, sys
 import gpumem, gpumem._torch as gt
@@ -57,7 +67,7 @@ def need(module, package):
 
 
 def run(body, prelude=CUPY, env=None, timeout=540):
-    code = textwrap.dedent(prelude) + textwrap.dedent(body) + "\nprint('DONE')\n"
+    code = NUMPY_COMPAT + textwrap.dedent(prelude) + textwrap.dedent(body) + "\nprint('DONE')\n"
     r = subprocess.run([sys.executable, "-c", code], env=clean_env(**(env or {})), capture_output=True,
                        text=True, timeout=timeout)
     assert r.returncode == 0 and "DONE" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"

@@ -17,7 +17,7 @@ TEST(high_water_release_drains_without_waiting) {
   s.pool->free(a);  // 8 MiB cached at the start of the region
   std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: a's pages go back
   DeviceStats st = s.pool->stats();
-  CHECK_EQ(st.num_sync_all_streams, std::uint64_t(0));      // nobody waited
+  CHECK_EQ(st.num_sync_all_streams, std::int64_t(0));      // nobody waited
   CHECK_EQ(s.pool->draining_bytes(), std::size_t(8 * MiB));  // still mapped, still counted
   CHECK_EQ(cur(st.reserved_bytes), std::int64_t(28 * MiB));
   check_clean(*s.pool, *s.dev);
@@ -41,7 +41,7 @@ TEST(a_cap_waits_for_the_oldest_draining_event_of_one_stream_only) {
   s.pool->free(a);
   const EventId other = s.dev->record_event(2);  // work queued on another stream
   std::uintptr_t c = s.pool->allocate(6 * MiB, 1);  // another arena: a's pages must go back first
-  CHECK_EQ(s.pool->stats().num_sync_all_streams, std::uint64_t(1));  // one wait, for stream 0's event
+  CHECK_EQ(s.pool->stats().num_sync_all_streams, std::int64_t(1));  // one wait, for stream 0's event
   CHECK(!s.dev->event_completed(other));                              // stream 2 was not waited for
   CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));
   CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(12 * MiB));  // 6 of a's 8 MiB went back

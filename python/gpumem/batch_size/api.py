@@ -167,7 +167,7 @@ def find_batch_size(
             (int).  The allocator's own limit (free memory plus what torch reserved,
             and ``set_per_process_memory_fraction``) always applies.
         margin: ``None`` (default): measured.  Trials keep a small floor free
-            (``max(64 MiB, 0.4 %)`` of the budget, for what no trial can see), and the final
+            (``max(32 MiB, 0.4 %)`` of the budget, for what no trial can see), and the final
             verification measures how much the peak at the answer moves between runs and keeps
             that free too.  A float in [0, 0.5): a fixed fraction of the budget instead.
         resolution: stop refining once the largest fitting and the smallest failing

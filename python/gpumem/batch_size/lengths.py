@@ -90,8 +90,8 @@ class TokenFrontier:
     def batch_for(self, length: int) -> int:
         """The largest proven batch for sequences of up to ``length``: that of the shortest measured
         length at or above it (memory grows with length); 0 above the longest measured length."""
-        ok = [b for n, b, _ in self.points if n >= length]
-        return min(ok) if ok else 0
+        ok = [(n, b) for n, b, _ in self.points if n >= length]
+        return min(ok)[1] if ok else 0
 
     def summary(self) -> str:
         pts = ", ".join(f"{n}: {b} ({t} tokens)" for n, b, t in self.points)

@@ -20,9 +20,9 @@ from typing import Any, Callable, List, Optional
 from .._errors import is_oom_error
 from .results import BatchSizeError, Trial, _Measurement, _TrialOOM
 
-# Smallest floor: a few of the allocator's large segments (PyTorch's caching allocator rounds
+# Smallest floor: a couple of the allocator's large segments (PyTorch's caching allocator rounds
 # requests between 1 and 10 MiB up to 20 MiB segments; gpumem's pool rounds to 2 MiB pages).
-FLOOR_MIN_BYTES = 64 << 20
+FLOOR_MIN_BYTES = 32 << 20
 # Floor as a fraction of the budget: the part of a fresh process that no trial here can see.
 FLOOR_FRACTION = 0.004
 
@@ -70,7 +70,8 @@ def verify(measure: Callable[[int], Any], b: int, proven: Optional[Trial], *, bu
             # the same size failed where it passed before: that is a spread of at least what it needed
             # beyond the target; step down by it (at least one sample)
             need = getattr(e, "needed_bytes", None) or 0
-            spread = max(spread, need - target, 0)
+            base = ref.peak_bytes if ref is not None and ref.peak_bytes is not None else target
+            spread = max(spread, need - base, 0)
             b = _step_down(b, max(spread, budget - target), bytes_per_sample, lo)
             ref = None
             continue

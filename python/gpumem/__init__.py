@@ -128,7 +128,9 @@ __all__ = [
     # the core pool, for direct use
     "Pool", "SimulatedDevice", "cuda_upstream", "InvariantViolation", "Config", "parse_config", "replay",
     # tools
-    "find_batch_size", "find_max_length", "find_token_frontier", "TokenFrontier", "find_executable_batch_size",
-    "BatchSizeFinder", "scale_batch_size", "find_trainer_batch_size", "BatchSizeResult", "BatchSizeError", "cleanup", "CleanupReport", "summary", "plot",
+    "find_batch_size", "find_max_length", "find_token_frontier", "TokenFrontier",
+    "find_executable_batch_size",
+    "BatchSizeFinder", "scale_batch_size", "find_trainer_batch_size", "BatchSizeResult", "BatchSizeError",
+    "cleanup", "CleanupReport", "summary", "plot",
     "Timeline", "record", "load_ipython_extension", "unload_ipython_extension",
 ]

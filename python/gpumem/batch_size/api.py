@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -14,9 +15,9 @@ from .backend import _Backend, _CudaBackend
 from .distributed import _OK, _OOM, _make_comm
 from .results import BatchSizeError, BatchSizeResult, Trial, _fmt
 from .search import _plan, _search
-from .verify import floor_bytes, verify
 from .state import _StateGuard
 from .trial import _default_loss, _input_factory, _Runner
+from .verify import floor_bytes, verify
 
 __all__ = ["find_batch_size"]
 
@@ -296,14 +297,14 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
     shape_hint = "custom input_fn"
     if searched == "length":
         assert dim is not None and shape is not None
-        sample = list(shape)  # type: ignore[arg-type]
+        sample = list(shape)
 
         def make_input(n: int) -> Any:
-            sample[dim] = n  # type: ignore[index]
-            return _input_factory(tuple(sample), dtype, input_range, device)(length_batch)  # type: ignore[arg-type]
+            sample[dim] = n
+            return _input_factory(tuple(sample), dtype, input_range, device)(length_batch)
 
-        shape_hint = (f"shape ({length_batch}, {', '.join('L' if i == dim else str(v) for i, v in enumerate(sample))})"
-                      f", dtype {dtype}")
+        dims = ", ".join("L" if i == dim else str(v) for i, v in enumerate(sample))
+        shape_hint = f"shape ({length_batch}, {dims}), dtype {dtype}"
     elif step_fn is None:
         if input_fn is not None:
             make_input = input_fn
@@ -346,9 +347,11 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
         spread: Optional[int] = None
         trials = list(out.trials)
         if verify_steps > 0:
-            proven = next((t for t in reversed(out.trials) if t.fits and t.batch_size == out.batch_size), None)
-            v = verify(lambda b: runner.trial(b, verify_steps), out.batch_size, proven, budget=int(budget),
-                       target=target, bytes_per_sample=out.bytes_per_sample, lo=min_batch, log=log_trial)
+            proven = next((t for t in reversed(out.trials) if t.fits and t.batch_size == out.batch_size),
+                          None)
+            v = verify(functools.partial(runner.trial, steps=verify_steps), out.batch_size, proven,
+                       budget=int(budget), target=target, bytes_per_sample=out.bytes_per_sample, lo=min_batch,
+                       log=log_trial)
             trials += v.trials
             spread = v.spread_bytes
             if v.batch_size != out.batch_size:

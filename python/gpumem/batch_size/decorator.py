@@ -84,7 +84,7 @@ def _predict_next(fails: List[Tuple[int, int]], live: int, limit: Optional[int],
     per = max(((need - live) / size for size, need in fails if size > 0 and need > live), default=0.0)
     if per <= 0:
         return None
-    return int(math.floor((limit - _FLOOR - live) / per))
+    return math.floor((limit - _FLOOR - live) / per)
 
 
 def find_executable_batch_size(function: Optional[Callable[..., Any]] = None, starting_batch_size: int = 128,
@@ -128,7 +128,7 @@ def find_executable_batch_size(function: Optional[Callable[..., Any]] = None, st
     emit: Callable[[str], None] = log if log is not None else (
         lambda line: print(line, file=sys.stderr, flush=True))
     if not verbose:
-        emit = lambda line: None  # noqa: E731
+        emit = lambda line: None
 
     state: Dict[str, Any] = {"batch_size": None}
     tries: List[Trial] = []

@@ -29,7 +29,7 @@ from .results import BatchSizeResult
 
 __all__ = ["find_trainer_batch_size"]
 
-_ours: "weakref.WeakSet[Any]" = weakref.WeakSet()  # trainers whose train() uses gpumem's decorator
+_ours: weakref.WeakSet[Any] = weakref.WeakSet()  # trainers whose train() uses gpumem's decorator
 _original: Dict[str, Any] = {}
 
 
@@ -116,7 +116,8 @@ def find_trainer_batch_size(trainer: Any, *, target_batch: Optional[int] = None,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    res = find_batch_size(model, step_fn=step, optimizer=opt, steps=steps, target_batch=target_batch, **kwargs)
+    res = find_batch_size(model, step_fn=step, optimizer=opt, steps=steps, target_batch=target_batch,
+                          **kwargs)
     micro = res.micro_batch_size or res.batch_size
     _set_arg(args, "per_device_train_batch_size", micro)
     if res.accumulation_steps is not None:
@@ -145,7 +146,8 @@ def _install(trainer: Any, verbose: bool, log: Optional[Callable[[str], None]]) 
     original = tt.find_executable_batch_size
     _original["fn"] = original
 
-    def dispatch(function: Any = None, starting_batch_size: int = 128, auto_find_batch_size: bool = False) -> Any:
+    def dispatch(function: Any = None, starting_batch_size: int = 128,
+                 auto_find_batch_size: bool = False) -> Any:
         owner = getattr(function, "__self__", None)
         if function is not None and auto_find_batch_size and owner is not None and owner in _ours:
             return find_executable_batch_size(function, starting_batch_size=starting_batch_size,

@@ -95,7 +95,8 @@ class TokenFrontier:
 
     def summary(self) -> str:
         pts = ", ".join(f"{n}: {b} ({t} tokens)" for n, b, t in self.points)
-        return f"gpumem.find_token_frontier: length: batch {pts}; max tokens per step {self.max_tokens_per_step}"
+        return (f"gpumem.find_token_frontier: length: batch {pts}; "
+                f"max tokens per step {self.max_tokens_per_step}")
 
     __str__ = summary
 
@@ -106,7 +107,8 @@ class TokenFrontier:
 
 
 def find_token_frontier(model: nn.Module, shape: Sequence[int], *, dim: int = 0,
-                        lengths: Optional[Sequence[int]] = None, points: int = 4, **kwargs: Any) -> TokenFrontier:
+                        lengths: Optional[Sequence[int]] = None, points: int = 4,
+                        **kwargs: Any) -> TokenFrontier:
     """The largest batch at each of several lengths, and the token budget that fits at all of them.
 
     ``lengths`` default: the longest length that fits at batch 1 (:func:`find_max_length` up to
@@ -123,7 +125,7 @@ def find_token_frontier(model: nn.Module, shape: Sequence[int], *, dim: int = 0,
         top = longest.size
         lengths = sorted({max(1, top >> i) for i in range(points)}, reverse=True)
     else:
-        if (not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)):
+        if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
             raise ValueError(f"lengths must be positive ints, not {lengths!r}")
         lengths = sorted(set(lengths), reverse=True)
     results = []

@@ -21,19 +21,30 @@ import os
 import uuid
 from typing import Any, Callable, Optional
 
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import BatchSizeFinder as _LightningFinder
-    from lightning.pytorch.tuner import batch_size_scaling as _bss
-    from lightning.pytorch.utilities.parsing import lightning_setattr
-except ImportError:  # the older package name
-    import pytorch_lightning as pl  # type: ignore[no-redef]
-    from pytorch_lightning.callbacks import BatchSizeFinder as _LightningFinder  # type: ignore[no-redef]
-    from pytorch_lightning.tuner import batch_size_scaling as _bss  # type: ignore[no-redef]
-    from pytorch_lightning.utilities.parsing import lightning_setattr  # type: ignore[no-redef]
-
 from .api import find_batch_size
 from .results import BatchSizeResult
+
+
+def _lightning() -> Any:
+    """``lightning.pytorch``, else the older ``pytorch_lightning`` (typed Any: either may be absent)."""
+    try:
+        return importlib.import_module("lightning.pytorch")
+    except ImportError:
+        return importlib.import_module("pytorch_lightning")
+
+
+pl: Any = _lightning()
+
+
+def _sub(name: str) -> Any:
+    """A submodule of whichever Lightning package was imported."""
+    return importlib.import_module(f"{pl.__name__}.{name}")
+
+
+_LightningFinder: Any = _sub("callbacks").BatchSizeFinder
+_bss: Any = _sub("tuner.batch_size_scaling")
+lightning_setattr: Any = _sub("utilities.parsing").lightning_setattr
+
 
 __all__ = ["BatchSizeFinder", "scale_batch_size"]
 
@@ -43,12 +54,7 @@ _reset = getattr(_bss, "__scale_batch_reset_params")
 _restore = getattr(_bss, "__scale_batch_restore_params")
 
 
-def _sub(name: str) -> Any:
-    """A submodule of whichever Lightning package was imported."""
-    return importlib.import_module(f"{pl.__name__}.{name}")
-
-
-class BatchSizeFinder(_LightningFinder):  # type: ignore[misc, valid-type]
+class BatchSizeFinder(_LightningFinder):
     """Lightning's ``BatchSizeFinder`` with gpumem's search.
 
     Args (Lightning's, same meaning): ``steps_per_trial``, ``init_val`` (the smallest size
@@ -82,9 +88,10 @@ class BatchSizeFinder(_LightningFinder):  # type: ignore[misc, valid-type]
         self.result: Optional[BatchSizeResult] = None
         self.accumulation_steps: Optional[int] = None
 
-    def scale_batch_size(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def scale_batch_size(self, trainer: Any, pl_module: Any) -> None:
         if trainer.fast_dev_run:
-            _sub("utilities.rank_zero").rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
+            _sub("utilities.rank_zero").rank_zero_warn(
+                "Skipping batch size scaler since `fast_dev_run` is enabled.")
             return
         self.result = res = self._search(trainer, pl_module)
         size = res.batch_size if res.micro_batch_size is None else res.micro_batch_size
@@ -97,7 +104,7 @@ class BatchSizeFinder(_LightningFinder):  # type: ignore[misc, valid-type]
         if self._early_exit:
             raise _sub("utilities.exceptions")._TunerExitException()
 
-    def _search(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> BatchSizeResult:
+    def _search(self, trainer: Any, pl_module: Any) -> BatchSizeResult:
         # As Lightning's _scale_batch_size: a checkpoint to return to, the trainer's settings saved,
         # set for short runs (steps_per_trial steps, no loggers or callbacks), and put back after.
         ckpt_path = os.path.join(trainer.default_root_dir, f".scale_batch_size_{uuid.uuid4()}.ckpt")
@@ -135,10 +142,11 @@ class BatchSizeFinder(_LightningFinder):  # type: ignore[misc, valid-type]
             trainer.strategy.remove_checkpoint(ckpt_path)
 
 
-def scale_batch_size(trainer: "pl.Trainer", model: "pl.LightningModule", train_dataloaders: Any = None,
+def scale_batch_size(trainer: Any, model: Any, train_dataloaders: Any = None,
                      val_dataloaders: Any = None, dataloaders: Any = None, datamodule: Any = None,
                      method: str = "fit", steps_per_trial: int = 3, init_val: int = 2, max_trials: int = 25,
-                     batch_arg_name: str = "batch_size", max_val: int = 8192, **gpumem_kwargs: Any) -> Optional[int]:
+                     batch_arg_name: str = "batch_size", max_val: int = 8192,
+                     **gpumem_kwargs: Any) -> Optional[int]:
     """``Tuner(trainer).scale_batch_size(model, ...)`` with gpumem's search: runs ``method`` only as
     far as the search (then stops, as the Tuner does) and returns the size set on the model or
     datamodule.  ``gpumem_kwargs``: :class:`BatchSizeFinder`'s (``margin``, ``target_batch``, ...)."""
@@ -148,7 +156,7 @@ def scale_batch_size(trainer: "pl.Trainer", model: "pl.LightningModule", train_d
     finder = BatchSizeFinder(steps_per_trial=steps_per_trial, init_val=init_val, max_trials=max_trials,
                              batch_arg_name=batch_arg_name, max_val=max_val, **gpumem_kwargs)
     finder._early_exit = True
-    trainer.callbacks = [finder] + trainer.callbacks
+    trainer.callbacks = [finder, *trainer.callbacks]
     try:
         if method == "fit":
             trainer.fit(model, train_dataloaders, val_dataloaders, datamodule)

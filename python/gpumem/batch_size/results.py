@@ -118,10 +118,10 @@ class BatchSizeResult:
         """The trials as rows (header first): phase, size, predicted, measured, outcome, seconds."""
         rows = [["phase", self.searched, "predicted", "measured", "outcome", "seconds"]]
         for t in self.trials:
-            rows.append([t.phase, str(t.batch_size),
-                         "-" if t.predicted_bytes is None else _fmt(t.predicted_bytes),
-                         "?" if t.peak_bytes is None else ((">" if t.outcome == "oom" else "") + _fmt(t.peak_bytes)),
-                         {"fits": "fits", "oom": "OOM", "over": "over target"}[t.outcome], f"{t.seconds:.2f}"])
+            pred = "-" if t.predicted_bytes is None else _fmt(t.predicted_bytes)
+            peak = "?" if t.peak_bytes is None else (">" if t.outcome == "oom" else "") + _fmt(t.peak_bytes)
+            verdict = {"fits": "fits", "oom": "OOM", "over": "over target"}[t.outcome]
+            rows.append([t.phase, str(t.batch_size), pred, peak, verdict, f"{t.seconds:.2f}"])
         return rows
 
     def __repr__(self) -> str:

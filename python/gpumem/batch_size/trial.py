@@ -125,7 +125,7 @@ class _Runner:
             eos = getattr(cfg, "eos_token_id", None)
             kw["pad_token_id"] = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
         kw.update(self.generate_kwargs)
-        return self.model.generate(**kw)  # type: ignore[operator]
+        return self.model.generate(**kw)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         if self._opt is None:

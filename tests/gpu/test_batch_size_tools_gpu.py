@@ -223,10 +223,9 @@ def test_hf_trainer_path(tmp_path):
     assert len(tries) == 1 and "fits" in tries[0]
     # far too large a size: gpumem's decorator shrinks it on OOM, frees the failed run, finishes
     tr2 = _hf_trainer(tmp_path / "big", auto_find_batch_size=True)
-    gpumem.find_trainer_batch_size(tr2, max_memory=CAP - (512 << 20), verbose=False)
+    gpumem.find_trainer_batch_size(tr2, max_memory=CAP - (512 << 20), log=lines.append)
     tr2.args.per_device_train_batch_size = tr2._train_batch_size = 8 * res.batch_size
     lines.clear()
-    gpumem.batch_size.hf._install(tr2, verbose=True, log=lines.append)
     tr2.train()
     tries = [line for line in lines if "find_executable_batch_size" in line]
     assert "OOM" in tries[0] and "fits" in tries[-1] and tr2.state.global_step == 3

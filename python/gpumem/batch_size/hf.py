@@ -29,7 +29,8 @@ from .results import BatchSizeResult
 
 __all__ = ["find_trainer_batch_size"]
 
-_ours: weakref.WeakSet[Any] = weakref.WeakSet()  # trainers whose train() uses gpumem's decorator
+# trainers whose train() uses gpumem's decorator -> its progress settings (verbose, log)
+_ours: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _original: Dict[str, Any] = {}
 
 
@@ -140,7 +141,7 @@ def _install(trainer: Any, verbose: bool, log: Optional[Callable[[str], None]]) 
     """Route this trainer's ``auto_find_batch_size`` through gpumem's decorator."""
     import transformers.trainer as tt
 
-    _ours.add(trainer)
+    _ours[trainer] = (verbose, log)
     if "fn" in _original:
         return
     original = tt.find_executable_batch_size
@@ -150,8 +151,9 @@ def _install(trainer: Any, verbose: bool, log: Optional[Callable[[str], None]]) 
                  auto_find_batch_size: bool = False) -> Any:
         owner = getattr(function, "__self__", None)
         if function is not None and auto_find_batch_size and owner is not None and owner in _ours:
+            loud, to = _ours[owner]
             return find_executable_batch_size(function, starting_batch_size=starting_batch_size,
-                                              verbose=verbose, log=log)
+                                              verbose=loud, log=to)
         return original(function, starting_batch_size=starting_batch_size,
                         auto_find_batch_size=auto_find_batch_size)
 

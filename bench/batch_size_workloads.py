@@ -186,7 +186,7 @@ class Workload:
             def train_dataloader(self):
                 return self._loader()
 
-            def predict_dataloader(self):
+            def val_dataloader(self):
                 return self._loader()
 
             def training_step(self, idx, _):
@@ -197,18 +197,21 @@ class Workload:
             def on_train_batch_end(self, *args):
                 self.kept = None
 
-            def predict_step(self, idx, _):
-                work.infer(idx.shape[0])  # nothing returned: no predictions kept on the device
+            def validation_step(self, idx, _):
+                # validate, not predict: Lightning's finder limits the evaluation loops to
+                # steps_per_trial batches, but not the prediction loop (it would run the whole dataset)
+                work.infer(idx.shape[0])
 
             def configure_optimizers(self):
                 return work.optimizer()
 
         lm = LM()
+        training = self.kind in ("train", "length")
         with tempfile.TemporaryDirectory() as d:
             trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                                 limit_val_batches=0, default_root_dir=d)
-            method = "fit" if self.kind in ("train", "length") else "predict"
+                                 default_root_dir=d, **({"limit_val_batches": 0} if training else {}))
+            method = "fit" if training else "validate"
             size = Tuner(trainer).scale_batch_size(lm, method=method, mode=mode, steps_per_trial=3, init_val=2,
                                                    max_trials=25, batch_arg_name=arg,
                                                    **({"max_val": self.max_size} if _has_max_val(Tuner) else {}))

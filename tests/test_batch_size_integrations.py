@@ -261,3 +261,24 @@ def test_hf_trainer_target_batch_and_auto_find_batch_size(tmp_path, hf_sim, monk
     assert tr.state.global_step == 1
     tries = [line for line in lines if "find_executable_batch_size" in line]
     assert len(tries) == 1 and "fits" in tries[0] and "batch       4" in tries[0]
+
+
+def test_lightning_predict_trials_are_limited_to_steps_per_trial(tmp_path, lightning_sim):
+    # Lightning's own reset does not limit the prediction loop; the gpumem callback does
+    pl, LM, _ = lightning_parts()
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class P(LM):
+        def predict_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(1 << 16, 8)), batch_size=self.batch_size)
+
+        def predict_step(self, batch, _):
+            self.seen.append(batch[0].shape[0])
+
+    lm = P()
+    t = trainer(pl, tmp_path)
+    size = gpumem.scale_batch_size(t, lm, method="predict", steps_per_trial=2, verbose=False)
+    res = gpumem.scale_batch_size.last_finder.result
+    assert size == lm.batch_size and 0.98 * expected_max() <= size <= expected_max()
+    assert len(lm.seen) == 2 * len(res.trials)  # two batches per trial, not the whole dataset
+    assert t.limit_predict_batches == 1.0  # put back

@@ -111,6 +111,12 @@ class BatchSizeFinder(_LightningFinder):
         trainer.save_checkpoint(ckpt_path)
         params = _dump(trainer)
         _reset(trainer, self._steps)
+        # Lightning's reset limits the fit and evaluation loops only: a prediction loop would run its
+        # whole dataset per trial. Limited here too, and put back after.
+        predicting = type(trainer._active_loop).__name__ == "_PredictionLoop"
+        limit_predict = trainer.limit_predict_batches
+        if predicting:
+            trainer.limit_predict_batches = self._steps
         if trainer.progress_bar_callback:
             trainer.progress_bar_callback.disable()
         hi = self._hi
@@ -135,6 +141,8 @@ class BatchSizeFinder(_LightningFinder):
             return find_batch_size(pl_module, step_fn=run_loop, steps=1, min_batch=self._lo, max_batch=hi,
                                    **kw)
         finally:
+            if predicting:
+                trainer.limit_predict_batches = limit_predict
             _restore(trainer, params)
             if trainer.progress_bar_callback:
                 trainer.progress_bar_callback.enable()

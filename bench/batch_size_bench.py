@@ -1,46 +1,46 @@
-"""gpumem.find_batch_size against Lightning's batch-size finder (power and binsearch modes).
+"""gpumem's batch-size and length search against Lightning's finder (power, binsearch) and Accelerate's
+decorator, on five kinds of loop (bench/batch_size_workloads.py):
 
-    python bench/batch_size_bench.py                      # GPT, then the CNN (about 5-6 min on an H200)
-    python bench/batch_size_bench.py --models gpt         # the issue's setup only
-    python bench/batch_size_bench.py --skip-lightning --skip-truth   # gpumem + its fresh check only
+    python bench/batch_size_bench.py                         # all five workloads (~7 min on an H100)
+    python bench/batch_size_bench.py --models resnet,gpt     # some of them
+    python bench/batch_size_bench.py --finders gpumem --skip-truth   # gpumem and its fresh checks only
 
-Setups (each finder sees the same process setup; ``--fraction`` of the GPU via
-``torch.cuda.set_per_process_memory_fraction``, default 0.25):
+Workloads: resnet (CNN training), gpt (transformer training), bert (encoder inference), gen (decoder
+generation with a KV cache, the whole generation per step), seqlen (the largest sequence length at
+batch 4: gpumem.find_max_length; Lightning and Accelerate search the length as their "batch size").
+Each runs under a memory fraction of the GPU (``--fraction`` overrides the workload's own, 3-5 %), so
+the models are small and the steps fast.
 
-  gpt  the 12-layer d=1024 transformer of bench/models.py (217M parameters; the varlen workload's),
-       sequence 1024, AdamW, bf16 autocast, cross-entropy over the 32000-way logits.
-  cnn  a ResNet-18-shaped CNN (BatchNorm, 11M parameters), 3x128x128 images, 1000
-       classes, AdamW, bf16 autocast: a different model, to show the probe is not tuned.
+For each workload every finder runs in its own subprocess (a clean GPU), one after the other; its
+time is the finder call alone.  Then, in fresh processes run side by side (each under the same
+fraction, so they cannot disturb one another's limit): each answer runs 3 steps ("fits fresh") and
+``--long-steps`` steps (default 200), and the fresh-process maximum (the largest size whose 3 steps
+fit) is found by bisection, starting from the bracket the answers give.  Columns: size, % of the
+fresh-process maximum, seconds, trials, fits fresh, the long run, reserved after <= before (in the
+finder's process).  Targets (gpumem): >= 98 % and <= 100 % of the maximum, fits fresh, the long run
+without OOM, reserved after <= before, faster than Lightning's power scaling.  One JSON line at the
+end (``{"bench": "batch_size", ...}``).
 
-"Fits" means 3 training steps in a fresh process without OOM.  In one call of this
-script, each finder runs in its own subprocess (so each starts from a clean GPU), one
-after the other, and its time is the finder call alone (model construction and process
-start excluded).  Each returned size is then checked with 3 more steps in the finder's
-own process and with 3 steps in a fresh process; the fresh-process true maximum is
-found by a fresh-process search that starts its bracket at the answer of gpumem_step (below).
-gpumem appears twice: ``gpumem_step`` is given the benchmark's own step through
-``step_fn`` (the step that defines "fits"); ``gpumem`` uses its built-in step, which keeps
-the model's output alive through backward as hand-written loops do, so it plans for more
-memory per sample than the benchmark's step needs (for the GPT, the bf16 logits).
-Prints a table per setup and one JSON line at the end (``{"bench": "batch_size", ...}``).
-
-Options: --allocator gpumem registers gpumem's allocator in every subprocess (default:
-PyTorch's own); --skip-lightning, --skip-truth (no true-max search), --skip-fresh (no
-fresh-process checks at all), --margin (gpumem's safety margin).
+Options: --allocator gpumem (default) / native: whose allocator every subprocess uses;
+--finders (gpumem, lightning_power, lightning_binsearch, accelerate, gpumem_decorator);
+--skip-truth (no bisection), --skip-fresh (no fresh checks), --parallel N (fresh processes at once).
 """
 import argparse
+import concurrent.futures as cf
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
-SEQ = 1024
-VOCAB = 32000
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+ALL_MODELS = ["resnet", "gpt", "bert", "gen", "seqlen"]
+DEFAULT_FINDERS = ["gpumem", "lightning_power", "lightning_binsearch", "accelerate"]
+ALL_FINDERS = DEFAULT_FINDERS + ["gpumem_decorator"]
 
 
-# ----------------------------------------------------------------------------- setups (child side)
+# ----------------------------------------------------------------------------- child side
 
 
 def start_cuda(allocator, fraction):
@@ -51,195 +51,64 @@ def start_cuda(allocator, fraction):
         import torch
 
         torch.cuda.init()  # CUDA first: PyTorch's own allocator stays in place
+        import gpumem  # noqa: F401
     torch.cuda.set_device(0)
     torch.cuda.set_per_process_memory_fraction(fraction)
     return torch
 
 
-def build(kind):
-    import torch
-    import torch.nn as nn
-
-    torch.manual_seed(0)
-    if kind == "gpt":
-        from models import GPT  # bench/models.py, beside this script
-
-        return GPT(vocab=VOCAB)
-
-    def block(i, o, stride):
-        return nn.Sequential(
-            nn.Conv2d(i, o, 3, stride, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True),
-            nn.Conv2d(o, o, 3, 1, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True))
-
-    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
-    chans = [64, 64, 128, 256, 512]
-    for i in range(4):
-        layers += [block(chans[i], chans[i + 1], 1 if i == 0 else 2), block(chans[i + 1], chans[i + 1], 1)]
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000)]
-    return nn.Sequential(*layers)
-
-
-def make_batch(kind, b):
-    import torch
-
-    if kind == "gpt":
-        ids = torch.randint(0, VOCAB, (b, SEQ), device="cuda")
-        return ids, ids
-    return torch.randn(b, 3, 128, 128, device="cuda"), torch.randint(0, 1000, (b,), device="cuda")
-
-
-def loss_of(kind, out, target):
-    import torch.nn.functional as F
-
-    if kind == "gpt":
-        return F.cross_entropy(out.flatten(0, 1), target.flatten())
-    return F.cross_entropy(out, target)
-
-
-def train_step(kind, net, opt, b):
-    """One step as Lightning's training_step runs it: the output is dropped once the loss exists."""
-    import torch
-
-    x, y = make_batch(kind, b)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = loss_of(kind, net(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def train_steps(kind, net, b, steps=3):
-    """The definition of "fits": `steps` steps of a fresh AdamW, bf16 autocast."""
-    import torch
-
-    opt = torch.optim.AdamW(net.parameters())
-    for _ in range(steps):
-        train_step(kind, net, opt, b)
-    torch.cuda.synchronize()
-    del opt
-
-
-def fits_here(kind, net, b):
-    import gc
-
-    import torch
-
-    try:
-        net.cuda()  # Lightning's tuner can leave the model on the CPU when it restores its checkpoint
-        train_steps(kind, net, b)
-        ok = True
-    except torch.cuda.OutOfMemoryError:
-        ok = False
-    gc.collect()
-    torch.cuda.empty_cache()
-    return ok
-
-
 def child(a):
     torch = start_cuda(a.allocator, a.fraction)
-    if a.allocator != "gpumem":
-        import gpumem  # noqa: F401  (after CUDA: does not replace the allocator)
-    net = build(a.model).cuda()
+    import gc
+
+    import gpumem
+    from batch_size_workloads import Workload
+
+    w = Workload(a.models)
     out = {"finder": a.child}
     if a.child == "fits":
-        torch.cuda.reset_peak_memory_stats()
-        out.update(batch=a.batch, fits=fits_here(a.model, net, a.batch),
-                   peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved())
+        try:
+            w.steps(a.batch, a.steps)
+            ok = True
+        except Exception as e:  # noqa: BLE001  only out-of-memory means "does not fit"
+            if not gpumem.is_oom_error(e):
+                raise
+            ok = False
+        out.update(batch=a.batch, steps=a.steps, fits=ok)
     else:
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        if a.child.startswith("gpumem"):
-            res = gpumem_find(a, net)
-            batch = res.batch_size
-            out.update(trials=len(res.trials), failed_trials=sum(not t.fits for t in res.trials),
-                       predicted_peak=res.predicted_peak_bytes, measured_peak=res.measured_peak_bytes,
-                       bytes_per_sample=res.bytes_per_sample, target_bytes=res.target_bytes,
-                       trial_sizes=[(t.batch_size, t.outcome) for t in res.trials])
-        else:
-            batch, ntrials = lightning_find(a.model, net, a.child.split("_")[1])
-            out.update(trials=ntrials)
+        try:
+            if a.child == "gpumem":
+                res = w.gpumem()
+                batch, trials = res.size, len(res.trials)
+                out.update(failed_trials=sum(not t.fits for t in res.trials), spread=res.spread_bytes,
+                           trial_sizes=[(t.batch_size, t.outcome, t.phase) for t in res.trials])
+            elif a.child == "accelerate":
+                batch, trials = w.accelerate(w.accelerate_start)
+            elif a.child == "gpumem_decorator":
+                batch, trials = w.gpumem_decorator(w.accelerate_start)
+            else:
+                batch, trials = w.lightning(a.child.split("_")[1])
+        except RuntimeError as e:  # Accelerate's "No executable batch size found, reached zero."
+            if "reached zero" not in str(e):
+                raise
+            batch, trials = 0, None
         seconds = time.perf_counter() - t0
+        gc.collect()
         torch.cuda.synchronize()
-        after = torch.cuda.memory_reserved()
-        out.update(batch=batch, seconds=seconds, reserved_before=before, reserved_after=after,
-                   fits_same_process=fits_here(a.model, net, batch))
+        out.update(batch=batch, trials=trials, seconds=seconds, reserved_before=before,
+                   reserved_after=torch.cuda.memory_reserved())
     print("RESULT " + json.dumps(out), flush=True)
-
-
-def gpumem_find(a, net):
-    """gpumem.find_batch_size as the finder a.child names: gpumem_step gets the benchmark's own step
-    (the one "fits" is defined by) through step_fn; gpumem uses its built-in step."""
-    import torch
-
-    import gpumem
-
-    if a.child == "gpumem_step":
-        opt = torch.optim.AdamW(net.parameters())
-        return gpumem.find_batch_size(net, step_fn=lambda b: train_step(a.model, net, opt, b),
-                                      optimizer=opt, margin=a.margin)
-    kw = dict(dtype=torch.long, input_range=(0, VOCAB)) if a.model == "gpt" else {}
-    shape = (SEQ,) if a.model == "gpt" else (3, 128, 128)
-    return gpumem.find_batch_size(net, shape, autocast=torch.bfloat16, optimizer=torch.optim.AdamW,
-                                  loss_fn=lambda o, x: loss_of(a.model, o, x if a.model == "gpt" else
-                                                               torch.randint(0, 1000, (x.shape[0],),
-                                                                             device="cuda")),
-                                  margin=a.margin, **kw)
-
-
-def lightning_find(kind, net, mode):
-    import torch
-    from torch.utils.data import DataLoader, Dataset
-
-    try:
-        import lightning.pytorch as pl
-        from lightning.pytorch.tuner import Tuner
-    except ImportError:  # the older package name
-        import pytorch_lightning as pl
-        from pytorch_lightning.tuner import Tuner
-
-    class Indices(Dataset):
-        """Only indices travel through the loader; the batch is made on the GPU (no loader cost)."""
-
-        def __len__(self):
-            return 10 ** 7
-
-        def __getitem__(self, i):
-            return i
-
-    class LM(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-            self.batch_size = 2
-            self.trials = 0
-
-        def train_dataloader(self):
-            self.trials += 1
-            return DataLoader(Indices(), batch_size=self.batch_size, num_workers=0)
-
-        def training_step(self, idx, _):
-            x, y = make_batch(kind, idx.shape[0])
-            return loss_of(kind, self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters())
-
-    lm = LM()
-    with tempfile.TemporaryDirectory() as d:
-        trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=1, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=d)
-        size = Tuner(trainer).scale_batch_size(lm, mode=mode, steps_per_trial=3, init_val=2, max_trials=25)
-    return int(size), lm.trials
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def run_child(a, what, batch=None):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--models", a.cur_model,
-           "--fraction", str(a.fraction), "--allocator", a.allocator, "--margin", str(a.margin)]
+def run_child(a, model, fraction, what, batch=None, steps=3):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--models", model, "--fraction",
+           str(fraction), "--allocator", a.allocator, "--steps", str(steps)]
     if batch is not None:
         cmd += ["--batch", str(batch)]
     t0 = time.perf_counter()
@@ -247,136 +116,139 @@ def run_child(a, what, batch=None):
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         sys.stderr.write(p.stdout[-3000:] + p.stderr[-5000:])
-        raise SystemExit(f"child {what} {batch} failed (rc {p.returncode})")
+        raise SystemExit(f"{model}: child {what} {batch or ''} failed (rc {p.returncode})")
     r = json.loads(lines[-1][7:])
     r["process_seconds"] = time.perf_counter() - t0
     if what.startswith("gpumem"):
-        sys.stderr.write("".join(l + "\n" for l in p.stderr.splitlines() if "find_batch_size" in l))
+        sys.stderr.write("".join(line + "\n" for line in p.stderr.splitlines() if "gpumem." in line))
     return r
 
 
 class Fresh:
-    """Fresh-process fits(b), cached, with monotone inference (b <= a known fit fits)."""
+    """fits(size, steps) in fresh processes, several at once; results cached."""
 
-    def __init__(self, a):
-        self.a, self.known, self.runs, self.seconds = a, {}, 0, 0.0
+    def __init__(self, a, model, fraction):
+        self.a, self.model, self.fraction = a, model, fraction
+        self.known = {}  # (size, steps) -> bool
+        self.runs, self.seconds = 0, 0.0
+        self.parallel = max(1, min(a.parallel, int(0.9 / fraction)))
 
-    def infer(self, b):
-        if b in self.known:
-            return self.known[b]
-        if any(ok and k >= b for k, ok in self.known.items()):
+    def run(self, jobs):
+        jobs = [j for j in dict.fromkeys(jobs) if j not in self.known and j[0] > 0]
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(self.parallel) as ex:
+            futs = {ex.submit(run_child, self.a, self.model, self.fraction, "fits", b, n): (b, n) for b, n in jobs}
+            for f in cf.as_completed(futs):
+                b, n = futs[f]
+                self.known[(b, n)] = bool(f.result()["fits"])
+                print(f"  fresh process, size {b}, {n} steps: {'fits' if self.known[(b, n)] else 'OOM'}",
+                      file=sys.stderr, flush=True)
+        self.runs += len(jobs)
+        self.seconds += time.perf_counter() - t0
+
+    def fits(self, b, n=3):
+        if b <= 0:
             return True
-        if any(not ok and k <= b for k, ok in self.known.items()):
-            return False
-        return None
+        return self.known.get((b, n))
 
-    def __call__(self, b, force=False):
-        v = None if force else self.infer(b)
-        if v is None:
-            r = run_child(self.a, "fits", b)
-            self.runs += 1
-            self.seconds += r["process_seconds"]
-            v = self.known[b] = bool(r["fits"])
-            print(f"  fresh process, batch {b}: {'fits' if v else 'OOM'} ({r['process_seconds']:.0f} s)",
-                  file=sys.stderr, flush=True)
-        return v
+    def true_max(self):
+        """Largest size whose 3 steps fit: k-ary bisection from the bracket of what is known."""
+        def bracket():
+            ok = [b for (b, n), v in self.known.items() if n == 3 and v]
+            bad = [b for (b, n), v in self.known.items() if n == 3 and not v]
+            hi = min(bad) if bad else None
+            lo = max([b for b in ok if hi is None or b < hi], default=0)
+            return lo, hi
 
-    def true_max(self, start):
-        """Largest fitting b: gallop from `start`, then bisect."""
-        if self(start):
-            lo, step = start, 1
-            while self(lo + step):
-                lo += step
-                step *= 2
-            hi = lo + step
-        else:
-            hi, step = start, 1
-            while hi - step >= 1 and not self(hi - step):
-                hi -= step
-                step *= 2
-            lo = max(0, hi - step)
+        lo, hi = bracket()
+        while hi is None:  # nothing failed yet: grow
+            self.run([(max(lo + 1, int(lo * f)), 3) for f in (1.1, 1.5, 2, 4)])
+            lo, hi = bracket()
         while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self(mid):
-                lo = mid
-            else:
-                hi = mid
+            k = min(self.parallel, hi - lo - 1)
+            self.run([(lo + (hi - lo) * (i + 1) // (k + 1), 3) for i in range(k)])
+            lo, hi = bracket()
         return lo
 
 
-def bench_model(a):
-    print(f"\n== {a.cur_model}: fraction {a.fraction}, allocator {a.allocator}", file=sys.stderr, flush=True)
-    # gpumem_step: find_batch_size given the benchmark's own step (step_fn), the step whose fit
-    # defines the true maximum. gpumem: its built-in step, which keeps the model's output alive
-    # through backward as hand-written loops do, so it needs more memory per sample than this step.
-    gpumem_finders = ["gpumem_step", "gpumem"]
-    finders = gpumem_finders + ([] if a.skip_lightning else ["lightning_power", "lightning_binsearch"])
+def bench_model(a, model):
+    from batch_size_workloads import SPECS
+
+    fraction = a.fraction or SPECS[model][1]
+    print(f"\n== {model}: fraction {fraction}, allocator {a.allocator}", file=sys.stderr, flush=True)
     res = {}
-    for f in finders:
-        res[f] = run_child(a, f)
-        print(f"  {f}: batch {res[f]['batch']} in {res[f]['seconds']:.1f} s", file=sys.stderr, flush=True)
-    fresh = Fresh(a)
+    for f in a.finder_list:
+        res[f] = run_child(a, model, fraction, f)
+        print(f"  {f}: size {res[f]['batch']} in {res[f]['seconds']:.1f} s ({res[f]['trials']} trials)",
+              file=sys.stderr, flush=True)
+    fresh = Fresh(a, model, fraction)
     true_max = None
     if not a.skip_fresh:
-        for f in gpumem_finders:
-            res[f]["fits_fresh"] = fresh(res[f]["batch"], force=True)
+        jobs = []
+        for r in res.values():
+            jobs += [(r["batch"], 3), (r["batch"], a.long_steps)]
+        if not a.skip_truth and "gpumem" in res:
+            g = res["gpumem"]["batch"]
+            jobs.append((int(g / 0.98) + 1, 3))  # >= 98 %: this one must not fit
+        fresh.run(jobs)
         if not a.skip_truth:
-            true_max = fresh.true_max(res["gpumem_step"]["batch"])
-        for f in finders[len(gpumem_finders):]:
-            res[f]["fits_fresh"] = fresh(res[f]["batch"])
-    for f in finders:
-        r = res[f]
-        r["pct_of_true_max"] = round(100.0 * r["batch"] / true_max, 1) if true_max else None
-    targets = {}
-    for f in gpumem_finders:
-        g = res[f]
-        targets[f] = {
-            "fits_same_process": g["fits_same_process"],
-            "fits_fresh_process": g.get("fits_fresh"),
-            "at_least_97pct_of_true_max": (g["pct_of_true_max"] >= 97.0) if true_max else None,
+            true_max = fresh.true_max()
+        for r in res.values():
+            r["fits_fresh"] = fresh.fits(r["batch"])
+            r["long_run"] = fresh.fits(r["batch"], a.long_steps)
+    for r in res.values():
+        r["pct_of_max"] = round(100.0 * r["batch"] / true_max, 1) if true_max else None
+        r["reserved_ok"] = r["reserved_after"] <= r["reserved_before"]
+    targets = None
+    if "gpumem" in res:
+        g = res["gpumem"]
+        targets = {
+            "at_least_98pct": None if true_max is None else g["pct_of_max"] >= 98.0,
+            "not_above_max": None if true_max is None else g["batch"] <= true_max,
+            "fits_fresh": g.get("fits_fresh"),
+            f"{a.long_steps}_steps_fresh": g.get("long_run"),
+            "reserved_after_le_before": g["reserved_ok"],
             "faster_than_lightning_power": (g["seconds"] < res["lightning_power"]["seconds"])
             if "lightning_power" in res else None,
-            "reserved_after_le_before": g["reserved_after"] <= g["reserved_before"],
         }
-    # table
-    GiB = float(1 << 30)
-    print(f"\n{a.cur_model} (fraction {a.fraction}, {a.allocator} allocator): fresh-process true max "
+    yn = lambda v: "-" if v is None else ("yes" if v else "NO")  # noqa: E731
+    print(f"\n{model} ({SPECS[model][0]}, fraction {fraction}, {a.allocator} allocator): fresh-process max "
           f"{true_max if true_max else 'not measured'} ({fresh.runs} fresh runs, {fresh.seconds:.0f} s)")
-    print(f"{'finder':22s}{'batch':>7s}{'% max':>8s}{'seconds':>9s}{'trials':>8s}{'same':>6s}{'fresh':>7s}"
-          f"{'reserved before':>17s}{'after':>10s}")
-    for f in finders:
-        r = res[f]
-        yn = lambda v: "-" if v is None else ("yes" if v else "NO")  # noqa: E731
-        pct = "-" if r["pct_of_true_max"] is None else f"{r['pct_of_true_max']:.1f}"
-        print(f"{f:22s}{r['batch']:>7d}{pct:>8s}{r['seconds']:>9.2f}{r.get('trials', 0):>8d}"
-              f"{yn(r['fits_same_process']):>6s}{yn(r.get('fits_fresh')):>7s}"
-              f"{r['reserved_before'] / GiB:>13.2f} GiB{r['reserved_after'] / GiB:>6.2f} GiB")
-    for f, t in targets.items():
-        print(f"targets ({f}): " + ", ".join(f"{k}={v}" for k, v in t.items()), flush=True)
-    return {"model": a.cur_model, "fraction": a.fraction, "allocator": a.allocator, "true_max": true_max,
-            "fresh_runs": fresh.runs, "finders": res, "targets": targets}
+    print(f"{'finder':20s}{'size':>7s}{'% max':>7s}{'seconds':>9s}{'trials':>7s}{'fresh':>7s}"
+          f"{str(a.long_steps) + ' steps':>11s}{'reserved after<=before':>24s}")
+    for f, r in res.items():
+        pct = "-" if r["pct_of_max"] is None else f"{r['pct_of_max']:.1f}"
+        print(f"{f:20s}{r['batch']:>7d}{pct:>7s}{r['seconds']:>9.2f}{str(r['trials']):>7s}"
+              f"{yn(r.get('fits_fresh')):>7s}{yn(r.get('long_run')):>11s}{yn(r['reserved_ok']):>24s}")
+    if targets:
+        print("targets (gpumem): " + ", ".join(f"{k}={v}" for k, v in targets.items()), flush=True)
+    return {"model": model, "kind": SPECS[model][0], "fraction": fraction, "allocator": a.allocator,
+            "true_max": true_max, "fresh_runs": fresh.runs, "finders": res, "targets": targets}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gpt,cnn", help="comma-separated: gpt, cnn")
-    ap.add_argument("--fraction", type=float, default=0.25)
-    ap.add_argument("--allocator", choices=["native", "gpumem"], default="native")
-    ap.add_argument("--margin", type=float, default=0.02)
-    ap.add_argument("--skip-lightning", action="store_true")
+    ap.add_argument("--models", default=",".join(ALL_MODELS), help="comma-separated: " + ", ".join(ALL_MODELS))
+    ap.add_argument("--finders", default=",".join(DEFAULT_FINDERS), help="comma-separated: " + ", ".join(ALL_FINDERS))
+    ap.add_argument("--fraction", type=float, default=None, help="memory fraction (default: the workload's)")
+    ap.add_argument("--allocator", choices=["native", "gpumem"], default="gpumem")
+    ap.add_argument("--long-steps", type=int, default=200, help="steps of the long fresh run (default 200)")
+    ap.add_argument("--parallel", type=int, default=6, help="fresh processes at once (default 6)")
     ap.add_argument("--skip-truth", action="store_true")
     ap.add_argument("--skip-fresh", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        a.model = a.models
         return child(a)
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    a.finder_list = [f.strip() for f in a.finders.split(",") if f.strip()]
+    bad = [m for m in models if m not in ALL_MODELS] + [f for f in a.finder_list if f not in ALL_FINDERS]
+    if bad:
+        ap.error(f"unknown: {', '.join(bad)}")
     t0 = time.perf_counter()
-    out = []
-    for m in a.models.split(","):
-        a.cur_model = m.strip()
-        out.append(bench_model(a))
+    out = [bench_model(a, m) for m in models]
     print(json.dumps({"bench": "batch_size", "seconds": round(time.perf_counter() - t0, 1), "setups": out}))
 
 

@@ -27,7 +27,7 @@ def run(args, cwd, **kw):
 
 def test_bench_holds_benchmarks_and_tools_the_test_tooling():
     py = {p.name for p in BENCH.glob("*.py")}
-    assert py == set(SCRIPTS) | {"models.py"}, py
+    assert py == set(SCRIPTS) | {"models.py", "batch_size_workloads.py"}, py
     assert {p.name for p in (ROOT / "tools").iterdir()} >= {
         "compute_sanitizer.sh", "sanitizer_summary.py", "sanitizer_frames_check.py", "gpu_session.sh"}
 

@@ -7,7 +7,8 @@
 #   bash tools/gpu_session.sh sanitizer [TESTS] # the suite (or TESTS) under compute-sanitizer memcheck, alone
 #   bash tools/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
 #   bash tools/gpu_session.sh mixed            # mixed_pipeline (CuPy -> torch -> Numba), SCALE=0.5 default
-#   bash tools/gpu_session.sh batch [ALLOC]    # batch_size_bench (gpt, cnn) with ALLOC's allocator
+#   bash tools/gpu_session.sh batch [ALLOC] [MODELS]  # batch_size_bench (MODELS: default all five; split
+#                                              # as resnet,gpt,bert and gen,seqlen: each call < 8 min)
 #   bash tools/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
 #   bash tools/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
 #   bash tools/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
@@ -67,9 +68,11 @@ case "${1:-}" in
     exit $rc
     ;;
   batch)
-    python3 bench/batch_size_bench.py --allocator "${2:-gpumem}" > "$OUT/batch_${2:-gpumem}.log" 2>&1
+    m=${3:-resnet,gpt,bert,gen,seqlen}
+    log="$OUT/batch_${2:-gpumem}_${m//,/_}.log"
+    python3 bench/batch_size_bench.py --allocator "${2:-gpumem}" --models "$m" > "$log" 2>&1
     rc=$?
-    grep -E "^(gpt|cnn) |^finder|^(gpumem|lightning)|^targets|Error" "$OUT/batch_${2:-gpumem}.log"
+    grep -E "^(resnet|gpt|bert|gen|seqlen) \(|^finder|^(gpumem|lightning|accelerate)|^targets|Error" "$log"
     exit $rc
     ;;
   ddp)

@@ -95,12 +95,22 @@ from .views import plot, summary  # noqa: E402
 # used, so `import gpumem` works without torch.
 _LAZY = {
     "find_batch_size": "batch_size",
+    "find_max_length": "batch_size",
+    "find_token_frontier": "batch_size",
+    "TokenFrontier": "batch_size",
+    "find_executable_batch_size": "batch_size",
     "BatchSizeResult": "batch_size",
     "BatchSizeError": "batch_size",
     "check_ranks": "distributed",
     "RankFailure": "distributed",
     "RankOutOfMemoryError": "distributed",
+    # these import Lightning / transformers when first used
+    "BatchSizeFinder": "batch_size.lightning",
+    "scale_batch_size": "batch_size.lightning",
+    "find_trainer_batch_size": "batch_size.hf",
 }
+_NEEDS = {"batch_size": "PyTorch", "batch_size.lightning": "Lightning (pip install lightning)",
+          "batch_size.hf": "transformers and accelerate (pip install transformers accelerate)"}
 
 
 # The integrations with other GPU libraries, submodules imported on first use (``gpumem.cupy.use()``)
@@ -121,8 +131,8 @@ def __getattr__(name: str) -> Any:
     try:
         value = getattr(importlib.import_module(f".{module}", __name__), name)
     except ImportError as e:
-        raise ImportError(f"gpumem.{name} needs PyTorch, which could not be imported ({e}); "
-                          f"install torch, then use it") from e
+        raise ImportError(f"gpumem.{name} needs {_NEEDS[module]}, which could not be imported ({e}); "
+                          f"install it, then use it") from e
     globals()[name] = value
     return value
 
@@ -139,7 +149,10 @@ __all__ = [
     # the core pool, for direct use
     "Pool", "SimulatedDevice", "cuda_upstream", "InvariantViolation", "Config", "parse_config", "replay",
     # tools
-    "find_batch_size", "BatchSizeResult", "BatchSizeError", "cleanup", "CleanupReport", "summary", "plot",
+    "find_batch_size", "find_max_length", "find_token_frontier", "TokenFrontier",
+    "find_executable_batch_size",
+    "BatchSizeFinder", "scale_batch_size", "find_trainer_batch_size", "BatchSizeResult", "BatchSizeError",
+    "cleanup", "CleanupReport", "summary", "plot",
     "Timeline", "record", "report", "load_ipython_extension", "unload_ipython_extension",
     # distributed training: one rank's failure made known to every rank
     "check_ranks", "RankFailure", "RankOutOfMemoryError",

@@ -36,9 +36,12 @@ allocator cache is emptied at the end so memory reserved afterwards is no more t
 before the call.
 
 Modules: ``api`` (:func:`find_batch_size`, argument checks, the budget), ``search`` (the fit, the
-search, the accumulation plan; torch-free), ``trial`` (the step runner, default input and loss),
+search, the accumulation plan; torch-free), ``verify`` (the measured margin and the final
+verification; torch-free), ``trial`` (the step runner, default input and loss, generation),
 ``backend`` (memory backends and the ballast), ``state`` (the state guard), ``distributed`` (agreement
-across ranks), ``results`` (what it returns and raises).
+across ranks), ``results`` (what it returns and raises), ``lengths`` (sequence length: the largest
+length, the token frontier), ``decorator`` (the OOM-retry decorator), ``lightning`` (the Lightning
+callback), ``hf`` (Hugging Face ``Trainer``).
 """
 from __future__ import annotations
 
@@ -49,9 +52,14 @@ from .api import _model_device as _model_device
 from .api import find_batch_size
 from .backend import _Backend as _Backend
 from .backend import _CudaBackend as _CudaBackend
+from .decorator import find_executable_batch_size
+from .lengths import TokenFrontier, find_max_length, find_token_frontier
 from .results import BatchSizeError, BatchSizeResult, Trial
 from .search import _is_oom as _is_oom
 from .search import _plan as _plan
 from .search import _search as _search
 
-__all__ = ["find_batch_size", "BatchSizeResult", "Trial", "BatchSizeError"]
+__all__ = ["find_batch_size", "find_max_length", "find_token_frontier", "TokenFrontier",
+           "find_executable_batch_size", "BatchSizeResult", "Trial", "BatchSizeError"]
+# Not imported here (they import Lightning / transformers): .lightning (BatchSizeFinder,
+# scale_batch_size) and .hf (find_trainer_batch_size); gpumem.<name> imports them when first used.

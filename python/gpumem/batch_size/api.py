@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -16,17 +17,30 @@ from .results import BatchSizeError, BatchSizeResult, Trial, _fmt
 from .search import _plan, _search
 from .state import _StateGuard
 from .trial import _default_loss, _input_factory, _Runner
+from .verify import floor_bytes, verify
 
 __all__ = ["find_batch_size"]
 
 
 def _validate(model: Any, shape: Any, *, mode: str, step_fn: Any, input_fn: Any, max_memory: Any,
-              margin: float, resolution: float, min_batch: int, max_batch: Optional[int], steps: int,
-              target_batch: Optional[int], optimizer: Any, input_range: Any) -> None:
-    if mode not in ("train", "inference"):
-        raise ValueError(f"mode must be 'train' or 'inference', not {mode!r}")
+              margin: Optional[float], resolution: Optional[float], min_batch: int, max_batch: Optional[int],
+              steps: int, target_batch: Optional[int], optimizer: Any, input_range: Any,
+              verify_steps: int = 0, max_new_tokens: Optional[int] = None) -> None:
+    if mode not in ("train", "inference", "generate"):
+        raise ValueError(f"mode must be 'train', 'inference' or 'generate', not {mode!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if mode == "generate" and step_fn is None:
+        if model is not None and not callable(getattr(model, "generate", None)):
+            raise TypeError(f"mode='generate' needs a model with a generate() method (Hugging Face style); "
+                            f"{type(model).__name__} has none")
+        if (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+                or max_new_tokens < 1):
+            raise ValueError(f"mode='generate' needs max_new_tokens, an int >= 1, not {max_new_tokens!r}")
+    elif max_new_tokens is not None:
+        raise ValueError("max_new_tokens applies to mode='generate' only")
+    if not isinstance(verify_steps, int) or isinstance(verify_steps, bool) or verify_steps < 0:
+        raise ValueError(f"verify_steps must be an int >= 0, not {verify_steps!r}")
     if step_fn is None:
         if model is None:
             raise ValueError("a model is needed unless step_fn is given")
@@ -54,10 +68,11 @@ def _validate(model: Any, shape: Any, *, mode: str, step_fn: Any, input_fn: Any,
             raise ValueError(f"max_memory as a fraction must be in (0, 1], not {max_memory}")
         if isinstance(max_memory, int) and max_memory <= 0:
             raise ValueError(f"max_memory in bytes must be positive, not {max_memory}")
-    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0.0 <= margin < 0.5:
-        raise ValueError(f"margin must be in [0, 0.5), not {margin!r}")
-    if (not isinstance(resolution, (int, float)) or isinstance(resolution, bool)
-            or not 0.0 <= resolution <= 0.1):
+    if margin is not None and (not isinstance(margin, (int, float)) or isinstance(margin, bool)
+                               or not 0.0 <= margin < 0.5):
+        raise ValueError(f"margin must be None (measured) or in [0, 0.5), not {margin!r}")
+    if resolution is not None and (not isinstance(resolution, (int, float)) or isinstance(resolution, bool)
+                                   or not 0.0 <= resolution <= 0.1):
         raise ValueError(f"resolution must be in [0, 0.1], not {resolution!r}")
     if not isinstance(min_batch, int) or min_batch < 1:
         raise ValueError(f"min_batch must be an int >= 1, not {min_batch!r}")
@@ -97,7 +112,7 @@ def find_batch_size(
     shape: Optional[Sequence[int]] = None,
     *,
     mode: str = "train",
-    dtype: torch.dtype = torch.float32,
+    dtype: Optional[torch.dtype] = None,
     input_range: Optional[Tuple[float, float]] = None,
     input_fn: Optional[Callable[[int], Any]] = None,
     step_fn: Optional[Callable[[int], Any]] = None,
@@ -105,12 +120,15 @@ def find_batch_size(
     optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
     autocast: Optional[torch.dtype] = None,
     max_memory: Union[float, int, None] = None,
-    margin: float = 0.02,
-    resolution: float = 0.005,
+    margin: Optional[float] = None,
+    resolution: Optional[float] = None,
     min_batch: int = 1,
     max_batch: Optional[int] = None,
     steps: int = 3,
+    verify_steps: int = 5,
     target_batch: Optional[int] = None,
+    max_new_tokens: Optional[int] = None,
+    generate_kwargs: Optional[Dict[str, Any]] = None,
     verbose: bool = True,
     log: Optional[Callable[[str], None]] = None,
     distributed: Optional[bool] = None,
@@ -124,9 +142,13 @@ def find_batch_size(
         shape: one sample's shape, without the batch dimension, e.g. ``(3, 224, 224)``
             or ``(1024,)`` for token ids.
         mode: ``"train"`` (forward under ``autocast``, loss, backward, optimizer step
-            including the creation of its state; modules in train mode) or
-            ``"inference"`` (forward under ``torch.no_grad()``; modules in eval mode).
-        dtype: the input's dtype (``torch.long`` for token ids).
+            including the creation of its state; modules in train mode),
+            ``"inference"`` (forward under ``torch.no_grad()``; modules in eval mode) or
+            ``"generate"`` (a whole ``model.generate(input_ids, max_new_tokens=...)`` under
+            ``no_grad``, forced to produce all ``max_new_tokens`` tokens: the KV cache grows to
+            its full length; ``shape`` is the prompt's).
+        dtype: the input's dtype (``torch.long`` for token ids; the default for ``"generate"``,
+            else ``torch.float32``).
         input_range: ``(low, high)`` of input values: integers are drawn in
             ``[low, high)`` (default ``[0, 2)``, valid for any embedding), floats
             uniformly (default: standard normal).
@@ -145,17 +167,24 @@ def find_batch_size(
         max_memory: budget: a fraction of the device's memory in (0, 1] (float) or bytes
             (int).  The allocator's own limit (free memory plus what torch reserved,
             and ``set_per_process_memory_fraction``) always applies.
-        margin: fraction of the budget left free (default 0.02), for the differences
-            between a trial and a fresh process.
+        margin: ``None`` (default): measured.  Trials keep a small floor free
+            (``max(32 MiB, 0.4 %)`` of the budget, for what no trial can see), and the final
+            verification measures how much the peak at the answer moves between runs and keeps
+            that free too.  A float in [0, 0.5): a fixed fraction of the budget instead.
         resolution: stop refining once the largest fitting and the smallest failing
-            size differ by at most this fraction (default 0.005; exact below 200;
+            size differ by at most this fraction (default 0.0025 with the measured margin,
+            0.005 with a fixed one; exact below 400 or 200;
             ``0`` for the exact size at any scale, at the cost of more trials near
             the limit, which are the slowest).
         min_batch, max_batch: bounds of the search (default 1 and 65536).
         steps: steps per trial (default 3).
+        verify_steps: steps of the final verification of the answer, in this process and under
+            the same budget (default 5; 0: none).  See ``margin``.
         target_batch: turns the result into a plan: ``micro_batch_size`` and
             ``accumulation_steps`` reaching ``target_batch`` samples per optimizer step
             (per process); the search stops at ``target_batch``.
+        max_new_tokens: with ``mode="generate"``: the tokens each generation produces.
+        generate_kwargs: more keyword arguments of ``generate()`` (e.g. ``num_beams``).
         verbose: a progress line per trial and a summary on stderr (rank 0 only).
         log: a callable receiving those lines instead of stderr.
         distributed: ``None`` (default) agrees across ranks when ``torch.distributed``
@@ -179,10 +208,18 @@ def find_batch_size(
     args: Dict[str, Any] = dict(
         mode=mode, step_fn=step_fn, input_fn=input_fn, max_memory=max_memory, margin=margin,
         resolution=resolution, min_batch=min_batch, max_batch=max_batch, steps=steps,
-        target_batch=target_batch, optimizer=optimizer, input_range=input_range)
+        target_batch=target_batch, optimizer=optimizer, input_range=input_range, verify_steps=verify_steps,
+        max_new_tokens=max_new_tokens)
     _validate(model, shape, **args)
+    return _on_cuda(model, shape, dtype=dtype, loss_fn=loss_fn, autocast=autocast, verbose=verbose,
+                    log=log, distributed=distributed, generate_kwargs=generate_kwargs, **args)
+
+
+def _on_cuda(model: Optional[nn.Module], shape: Any, **kw: Any) -> BatchSizeResult:
+    """:func:`_find` on the model's CUDA device (the public functions' common path)."""
+    name = kw.get("name", "find_batch_size")
     if not torch.cuda.is_available():
-        raise RuntimeError("gpumem.find_batch_size needs a CUDA device: torch.cuda.is_available() is False")
+        raise RuntimeError(f"gpumem.{name} needs a CUDA device: torch.cuda.is_available() is False")
     device = None
     if model is not None:
         model = _unwrap(model)
@@ -190,8 +227,7 @@ def find_batch_size(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(device):
-        return _find(model, shape, dtype=dtype, loss_fn=loss_fn, autocast=autocast, verbose=verbose,
-                     log=log, distributed=distributed, backend=_CudaBackend(device), **args)
+        return _find(model, shape, backend=_CudaBackend(device), **kw)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -202,19 +238,30 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: str, dtype: torch.dtype,
-          input_range: Optional[Tuple[float, float]], input_fn: Optional[Callable[[int], Any]],
-          step_fn: Optional[Callable[[int], Any]], loss_fn: Optional[Callable], optimizer: Any,
-          autocast: Optional[torch.dtype], max_memory: Union[float, int, None], margin: float,
-          resolution: float, min_batch: int, max_batch: Optional[int], steps: int,
-          target_batch: Optional[int], verbose: bool, log: Optional[Callable[[str], None]],
-          distributed: Optional[bool],
-          backend: _Backend) -> BatchSizeResult:
-    """find_batch_size on a given memory backend (the CUDA one, or a test's simulation)."""
+def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: str,
+          dtype: Optional[torch.dtype], input_range: Optional[Tuple[float, float]],
+          input_fn: Optional[Callable[[int], Any]], step_fn: Optional[Callable[[int], Any]],
+          loss_fn: Optional[Callable], optimizer: Any, autocast: Optional[torch.dtype],
+          max_memory: Union[float, int, None], margin: Optional[float], resolution: Optional[float],
+          min_batch: int, max_batch: Optional[int], steps: int, target_batch: Optional[int], verbose: bool,
+          log: Optional[Callable[[str], None]], distributed: Optional[bool], backend: _Backend,
+          verify_steps: int = 0, max_new_tokens: Optional[int] = None,
+          generate_kwargs: Optional[Dict[str, Any]] = None, searched: str = "batch",
+          dim: Optional[int] = None, length_batch: int = 1,
+          name: str = "find_batch_size") -> BatchSizeResult:
+    """find_batch_size on a given memory backend (the CUDA one, or a test's simulation).
+
+    ``searched="length"`` (with ``dim``): the size is a length, ``input_fn`` builds the input of a
+    length (:mod:`.lengths`); ``name`` is what the progress lines start with."""
     t_start = time.perf_counter()
     _validate(model, shape, mode=mode, step_fn=step_fn, input_fn=input_fn, max_memory=max_memory,
               margin=margin, resolution=resolution, min_batch=min_batch, max_batch=max_batch, steps=steps,
-              target_batch=target_batch, optimizer=optimizer, input_range=input_range)
+              target_batch=target_batch, optimizer=optimizer, input_range=input_range,
+              verify_steps=verify_steps, max_new_tokens=max_new_tokens)
+    if dtype is None:
+        dtype = torch.long if mode == "generate" else torch.float32
+    if resolution is None:
+        resolution = 0.0025 if margin is None else 0.005
     if model is not None:
         model = _unwrap(model)
     device = backend.device
@@ -233,7 +280,8 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
         budget = min(limit, max_memory)
     else:
         budget = limit
-    target = comm.min_int(int(budget * (1.0 - margin)))
+    floor = floor_bytes(int(budget)) if margin is None else int(budget * margin)
+    target = comm.min_int(int(budget) - floor)
     live = backend.allocated()
     if comm.min_int(target - live) <= 0:
         raise BatchSizeError(
@@ -243,11 +291,21 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
     ballast = max(0, limit - target)
 
     hi = max_batch if max_batch is not None else 1 << 16
-    if target_batch is not None:
+    if target_batch is not None and searched == "batch":
         hi = min(hi, max(target_batch, min_batch))
-    make_input = None
+    make_input: Optional[Callable[[int], Any]] = None
     shape_hint = "custom input_fn"
-    if step_fn is None:
+    if searched == "length":
+        assert dim is not None and shape is not None
+        sample = list(shape)
+
+        def make_input(n: int) -> Any:
+            sample[dim] = n
+            return _input_factory(tuple(sample), dtype, input_range, device)(length_batch)
+
+        dims = ", ".join("L" if i == dim else str(v) for i, v in enumerate(sample))
+        shape_hint = f"shape ({length_batch}, {dims}), dtype {dtype}"
+    elif step_fn is None:
         if input_fn is not None:
             make_input = input_fn
         else:
@@ -259,21 +317,19 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
         gen.manual_seed(1)
         loss_fn = _default_loss(gen)
 
-    emit(f"gpumem.find_batch_size: {mode} on {device}, budget {_fmt(budget)}, target {_fmt(target)} "
-         f"(margin {margin:.0%}), allocator limit {_fmt(limit)}, live {_fmt(live)}, "
-         f"search [{min_batch}, {hi}]" + (f", {comm.world} ranks" if comm.world > 1 else ""))
+    how = "measured margin, floor" if margin is None else f"fixed margin {margin:.1%},"
+    emit(f"gpumem.{name}: {mode} on {device}, budget {_fmt(budget)}, trials under {_fmt(target)} "
+         f"({how} {_fmt(budget - target)}), allocator limit {_fmt(limit)}, live {_fmt(live)}, "
+         f"{searched} in [{min_batch}, {hi}]" + (f", {comm.world} ranks" if comm.world > 1 else ""))
 
     guard = _StateGuard(model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None, device)
     runner = _Runner(model=model, make_input=make_input, mode=mode, step_fn=step_fn, loss_fn=loss_fn,
                      optimizer=optimizer, autocast=autocast, steps=steps, backend=backend, comm=comm,
-                     guard=guard, shape_hint=shape_hint)
+                     guard=guard, shape_hint=shape_hint, max_new_tokens=max_new_tokens,
+                     generate_kwargs=dict(generate_kwargs or {}))
 
     def log_trial(t: Trial) -> None:
-        what = {"fits": "fits", "oom": "out of memory", "over": "over the target"}[t.outcome]
-        peak = "" if t.peak_bytes is None else (
-            f", peak {_fmt(t.peak_bytes)}" if t.outcome != "oom" else f", needs > {_fmt(t.peak_bytes)}")
-        emit(f"gpumem.find_batch_size:   {t.phase:6s} batch {t.batch_size:>6d}: {what}{peak}, "
-             f"{t.seconds:.2f} s")
+        emit(f"gpumem.{name}:   " + t.line(searched))
 
     try:
         held = _OK
@@ -288,6 +344,19 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
                                  f"could not be allocated next to {_fmt(live)} of live tensors",
                                  needed_bytes=live, available_bytes=target)
         out = _search(runner.trial, target, min_batch, hi, log=log_trial, resolution=resolution)
+        spread: Optional[int] = None
+        trials = list(out.trials)
+        if verify_steps > 0:
+            proven = next((t for t in reversed(out.trials) if t.fits and t.batch_size == out.batch_size),
+                          None)
+            v = verify(functools.partial(runner.trial, steps=verify_steps), out.batch_size, proven,
+                       budget=int(budget), target=target, bytes_per_sample=out.bytes_per_sample, lo=min_batch,
+                       log=log_trial)
+            trials += v.trials
+            spread = v.spread_bytes
+            if v.batch_size != out.batch_size:
+                out.batch_size, out.measured_peak_bytes = v.batch_size, v.peak_bytes
+                out.predicted_peak_bytes = int(out.fixed_bytes + out.bytes_per_sample * v.batch_size)
     finally:
         del runner
         backend.release()
@@ -302,8 +371,10 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
         measured_peak_bytes=out.measured_peak_bytes, bytes_per_sample=out.bytes_per_sample,
         fixed_bytes=out.fixed_bytes, budget_bytes=int(budget), target_bytes=int(target),
         limit_bytes=int(limit),
-        trials=out.trials, seconds=time.perf_counter() - t_start, reserved_before=int(reserved_before),
+        trials=trials, seconds=time.perf_counter() - t_start, reserved_before=int(reserved_before),
         reserved_after=int(backend.reserved()), at_upper_bound=out.at_upper_bound and best == hi,
-        target_batch=target_batch, micro_batch_size=micro, accumulation_steps=accum, world_size=comm.world)
+        target_batch=target_batch, micro_batch_size=micro, accumulation_steps=accum, world_size=comm.world,
+        margin_bytes=int(budget) - int(out.measured_peak_bytes), spread_bytes=spread,
+        verified_steps=verify_steps if spread is not None else 0, dim=dim, searched=searched)
     emit(res.summary())
     return res

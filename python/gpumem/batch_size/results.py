@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -31,11 +32,23 @@ class Trial:
     peak_bytes: Optional[int]
     reserved_bytes: Optional[int]
     seconds: float
-    phase: str  # "probe", "prove" or "refine"
+    phase: str  # "probe", "prove", "refine" or "verify"
+    predicted_bytes: Optional[int] = None  # the fitted line's peak at batch_size, when there was one
 
     @property
     def fits(self) -> bool:
         return self.outcome == "fits"
+
+    def line(self, what: str = "batch") -> str:
+        """The progress line of this trial: size, predicted and measured peak, outcome, seconds."""
+        verdict = {"fits": "fits", "oom": "OOM", "over": "over target"}[self.outcome]
+        pred = "-" if self.predicted_bytes is None else _fmt(self.predicted_bytes)
+        if self.peak_bytes is None:
+            peak = "?"
+        else:
+            peak = (">" if self.outcome == "oom" else "") + _fmt(self.peak_bytes)
+        return (f"{self.phase:7s} {what} {self.batch_size:>7d}  predicted {pred:>10s}  measured {peak:>11s}  "
+                f"{verdict:11s} {self.seconds:6.2f} s")
 
 
 @dataclass
@@ -59,6 +72,11 @@ class BatchSizeResult:
     micro_batch_size: Optional[int] = None
     accumulation_steps: Optional[int] = None
     world_size: int = 1
+    margin_bytes: Optional[int] = None  # what the answer keeps free below the budget, from measurement
+    spread_bytes: Optional[int] = None  # run-to-run spread of the peak at the answer (verification)
+    verified_steps: int = 0  # steps the answer ran in the final verification
+    dim: Optional[int] = None  # for a length search: the sample dimension searched (else None)
+    searched: str = "batch"  # "batch" or "length": what batch_size (the size found) counts
 
     def __int__(self) -> int:
         return self.batch_size
@@ -69,9 +87,15 @@ class BatchSizeResult:
             return None
         return self.micro_batch_size * self.accumulation_steps
 
+    @property
+    def size(self) -> int:
+        """The size found: a batch size, or a length for :func:`gpumem.find_max_length`."""
+        return self.batch_size
+
     def summary(self) -> str:
         n_oom = sum(1 for t in self.trials if not t.fits)
-        s = (f"gpumem.find_batch_size: batch {self.batch_size}"
+        s = (f"gpumem.find_{'batch_size' if self.searched == 'batch' else 'max_length'}: "
+             f"{self.searched} {self.batch_size}"
              f"{' (the upper bound)' if self.at_upper_bound else ''}"
              f", peak {_fmt(self.measured_peak_bytes)} (predicted {_fmt(self.predicted_peak_bytes)})"
              f" of {_fmt(self.target_bytes)} target / {_fmt(self.budget_bytes)} budget"
@@ -80,11 +104,39 @@ class BatchSizeResult:
         if self.micro_batch_size is not None:
             s += (f"; plan for {self.target_batch}: micro-batch {self.micro_batch_size}"
                   f" x {self.accumulation_steps} accumulation steps")
+        if self.margin_bytes is not None:
+            s += f"; margin {_fmt(self.margin_bytes)} (measured spread {_fmt(self.spread_bytes)})"
+        if self.verified_steps:
+            s += f"; verified with {self.verified_steps} steps"
         if self.world_size > 1:
             s += f"; agreed by {self.world_size} ranks"
         return s
 
     __str__ = summary
+
+    def table(self) -> List[List[str]]:
+        """The trials as rows (header first): phase, size, predicted, measured, outcome, seconds."""
+        rows = [["phase", self.searched, "predicted", "measured", "outcome", "seconds"]]
+        for t in self.trials:
+            pred = "-" if t.predicted_bytes is None else _fmt(t.predicted_bytes)
+            peak = "?" if t.peak_bytes is None else (">" if t.outcome == "oom" else "") + _fmt(t.peak_bytes)
+            verdict = {"fits": "fits", "oom": "OOM", "over": "over target"}[t.outcome]
+            rows.append([t.phase, str(t.batch_size), pred, peak, verdict, f"{t.seconds:.2f}"])
+        return rows
+
+    def __repr__(self) -> str:
+        rows = self.table()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [self.summary()] + ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        rows = self.table()
+        head = "".join(f"<th>{esc(c)}</th>" for c in rows[0])
+        body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+        return (f"<div><p><b>{esc(self.searched)} {self.batch_size}</b> &mdash; {esc(self.summary())}</p>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
 
 
 class BatchSizeError(RuntimeError):

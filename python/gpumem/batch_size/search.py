@@ -94,6 +94,8 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
     def run(b: int, phase: str) -> Trial:
         if len(trials) >= max_trials:
             raise RuntimeError(f"find_batch_size: gave up after {max_trials} trials")
+        fit_now = _line(list(measured.items()))
+        pred = None if fit_now is None else int(fit_now[0] + fit_now[1] * b)
         t0 = clock()
         try:
             m = measure(b)
@@ -102,14 +104,14 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
                 raise
             needed = getattr(e, "needed_bytes", None)
             secs = getattr(e, "seconds", None)
-            tr = Trial(b, "oom", needed, None, clock() - t0 if secs is None else secs, phase)
+            tr = Trial(b, "oom", needed, None, clock() - t0 if secs is None else secs, phase, pred)
         else:
             if isinstance(m, (int, float)):
                 m = _Measurement(int(m))
             peak = int(m.peak_bytes)
             secs = getattr(m, "seconds", None)
             tr = Trial(b, "fits" if peak <= target else "over", peak, getattr(m, "reserved_bytes", None),
-                       clock() - t0 if secs is None else secs, phase)
+                       clock() - t0 if secs is None else secs, phase, pred)
             measured[b] = peak
         trials.append(tr)
         if tr.fits:

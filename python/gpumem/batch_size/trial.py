@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -89,6 +89,8 @@ class _Runner:
     comm: _Comm
     guard: _StateGuard
     shape_hint: str
+    max_new_tokens: Optional[int] = None
+    generate_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     _opt: Optional[torch.optim.Optimizer] = dataclasses.field(default=None, init=False)
     calls: int = dataclasses.field(default=0, init=False)
 
@@ -104,6 +106,26 @@ class _Runner:
         if isinstance(x, (list, tuple)):
             return self.model(*x)
         return self.model(x)
+
+    def _generate(self, x: Any) -> Any:
+        """One whole generation, forced to its full length (``min_new_tokens``): the KV cache and the
+        logits grow to what the longest generation needs, whatever the sampled tokens are."""
+        assert self.model is not None
+        kw: Dict[str, Any] = dict(max_new_tokens=self.max_new_tokens, min_new_tokens=self.max_new_tokens,
+                                  do_sample=False, use_cache=True)
+        if torch.is_tensor(x):
+            kw.update(input_ids=x, attention_mask=torch.ones_like(x))
+        elif isinstance(x, dict):
+            kw.update(x)
+        else:
+            raise TypeError("mode='generate' needs input_ids: a tensor (shape=(prompt_length,)) or, from "
+                            "input_fn, a dict of generate()'s keyword arguments")
+        cfg = getattr(self.model, "generation_config", None) or getattr(self.model, "config", None)
+        if getattr(cfg, "pad_token_id", None) is None:
+            eos = getattr(cfg, "eos_token_id", None)
+            kw["pad_token_id"] = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+        kw.update(self.generate_kwargs)
+        return self.model.generate(**kw)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         if self._opt is None:
@@ -122,6 +144,11 @@ class _Runner:
             return
         assert self.model is not None and self.make_input is not None
         x = self.make_input(b)
+        if self.mode == "generate":
+            with torch.no_grad(), self._autocast_ctx():
+                out = self._generate(x)
+            del out
+            return
         if self.mode == "inference":
             with torch.no_grad(), self._autocast_ctx():
                 out = self._call_model(x)
@@ -139,15 +166,17 @@ class _Runner:
         opt.zero_grad(set_to_none=True)
         del out, loss
 
-    def trial(self, b: int) -> _Measurement:
+    def trial(self, b: int, steps: Optional[int] = None) -> _Measurement:
+        """``steps`` (default: the runner's) steps at size ``b``; its peaks, or ``_TrialOOM``."""
+        n_steps = self.steps if steps is None else steps
         self.guard.between_trials()  # the cache was emptied by limits() or the previous trial
         if self.model is not None and self.step_fn is None:
-            self.model.train(self.mode == "train")
+            self.model.train(self.mode == "train")  # generate and inference: eval mode
         status, err, requested = _OK, None, 0
         t0 = time.perf_counter()
         try:
             self.backend.begin(b)
-            for _ in range(self.steps):
+            for _ in range(n_steps):
                 self._step(b)
             self.backend.sync()
         except Exception as e:  # classified; non-OOM errors re-raised below

@@ -109,7 +109,8 @@ _LAZY = {
     "scale_batch_size": "batch_size.lightning",
     "find_trainer_batch_size": "batch_size.hf",
 }
-_NEEDS = {"batch_size": "PyTorch", "distributed": "PyTorch with torch.distributed", "batch_size.lightning": "Lightning (pip install lightning)",
+_NEEDS = {"batch_size": "PyTorch", "distributed": "PyTorch with torch.distributed",
+          "batch_size.lightning": "Lightning (pip install lightning)",
           "batch_size.hf": "transformers and accelerate (pip install transformers accelerate)"}
 
 

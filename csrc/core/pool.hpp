@@ -72,7 +72,7 @@ struct PoolOptions {
   ReleasePolicy release = ReleasePolicy::kLazy;
   // High-water policy only: reserved may exceed the highest live bytes so far by this fraction
   // before cached pages are released. A little slack absorbs step-to-step wobble in where blocks land, which
-  // on a GPU saves a stream synchronisation and an unmap/map round per wobble.
+  // on a GPU saves an event and an unmap/map round per wobble.
   double release_slack = 0.005;
   // Paged upstreams: bytes per page of the large arenas (a multiple of the upstream's granularity;
   // 0 = the granularity). Small arenas always use the granularity.

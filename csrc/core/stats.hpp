@@ -59,7 +59,7 @@ using StatArray = std::array<Stat, kNumStatTypes>;
   ARRAY(requested_bytes)       /* SUM: bytes the callers asked for */                                \
   COUNTER(num_alloc_retries)   /* allocations that released the cache and retried */                 \
   COUNTER(num_ooms)            /* allocations that failed with out-of-memory */                      \
-  COUNTER(num_sync_all_streams) /* stream synchronisations before releasing memory */                \
+  COUNTER(num_sync_all_streams) /* waits for a stream before releasing memory  */                \
   COUNTER(num_device_alloc)    /* upstream calls that took memory (map / segment) */                 \
   COUNTER(num_device_free)     /* upstream calls that returned memory */                             \
   STAT(oversize_allocations)   /* unused by gpumem (no max_split_size); kept for torch's shape */    \

@@ -6,7 +6,8 @@
 // Stream order: a foreign block is allocated on the library's stream S and lives in the main pool's
 // arena of S (pool.hpp). Freed, it is reused at once only by allocations on S, which S orders after
 // the library's work; another stream (torch's on T) gets its memory only once the pool releases the
-// free pages of S's arena, which synchronises S first (pool_release.cpp). A free that names another
+// free pages of S's arena, which unmaps them only after an event recorded on S has completed
+// (pool_drain.cpp). A free that names another
 // stream (RMM's deallocate does) records that stream on the block first, so reuse also waits for it.
 //
 // Per-library live bytes: the foreign blocks are kept in a ledger (pointer -> library, size, device,

@@ -222,8 +222,15 @@ def test_who_holds_memory_names_parameters_state_variables_and_the_traceback():
     model.zero_grad(set_to_none=True)
     batch = {"x": torch.randn(300, 500)}
 
+    # Only this test's tensors count: CPU tensors other tests left alive in the process (the whole
+    # suite runs in one) must not rank among the holders. Known by storage address, not by reference.
+    ours = {t.untyped_storage().data_ptr() for t in [*model.parameters(), batch["x"]]}
+    ours |= {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor)}
+
     def failing_step():
-        pinned = torch.empty(1 << 20, dtype=torch.uint8)  # noqa: F841  (kept by the traceback only)
+        pinned = torch.empty(1 << 20, dtype=torch.uint8)  # (kept by the traceback only)
+        ours.add(pinned.untyped_storage().data_ptr())
         raise RuntimeError("step failed")
 
     saved = {k: getattr(sys, k, None) for k in ("last_exc", "last_value", "last_traceback")}
@@ -234,7 +241,8 @@ def test_who_holds_memory_names_parameters_state_variables_and_the_traceback():
             sys.last_exc = sys.last_value = e
             sys.last_traceback = e.__traceback__
         ns = {"model": model, "opt": opt, "batch": batch}
-        h = live.holders([ns], top=5, pred=lambda t: t.device.type == "cpu")
+        h = live.holders([ns], top=5,
+                         pred=lambda t: t.device.type == "cpu" and t.untyped_storage().data_ptr() in ours)
     finally:
         for k, v in saved.items():
             setattr(sys, k, v)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from sim_memory import SimBackend  # tests/sim_memory.py
 
 import gpumem
 from gpumem import batch_size as bs
@@ -33,33 +34,6 @@ def expected_max():
     return (target - 100 * MiB) // MiB
 
 
-class SimBackend(bs._Backend):
-    def __init__(self):
-        self.device = torch.device("cpu")
-        self.b, self.ballast, self.begun = None, 0, []
-
-    def limits(self):
-        return LIMIT, LIMIT
-
-    def hold(self, ballast):
-        self.ballast = ballast
-
-    def release(self):
-        self.ballast = 0
-
-    def begin(self, b):
-        self.b = b
-        self.begun.append(b)
-
-    def sync(self):
-        if curve(self.b) + self.ballast > LIMIT:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
-
-    def end(self):
-        p = min(curve(self.b), LIMIT - self.ballast)
-        return p, p
-
-
 def simulated_find(backends):
     """find_batch_size on the CPU: the real search and state guard, memory simulated."""
 
@@ -69,7 +43,7 @@ def simulated_find(backends):
                     max_batch=None, steps=3, target_batch=None, log=None, distributed=None, verbose=False,
                     verify_steps=5)
         args.update(kw)
-        backend = SimBackend()
+        backend = SimBackend(curve, LIMIT, oom_request="2.00 MiB")
         backends.append(backend)
         return bs._find(model, shape, backend=backend, **args)
 

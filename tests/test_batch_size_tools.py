@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from sim_memory import SimBackend  # tests/sim_memory.py
 
 import gpumem
 from gpumem import batch_size as bs
@@ -17,40 +18,6 @@ from gpumem.batch_size import verify as verify_mod
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-class SimBackend(bs._Backend):
-    """peak = curve(size) (+ jitter(size, call)); an OOM inside the trial when peak + ballast > limit."""
-
-    def __init__(self, curve, limit, total=None, jitter=None):
-        self.device = torch.device("cpu")
-        self.curve, self.limit, self.total, self.jitter = curve, limit, total or limit, jitter
-        self.b, self.ballast, self.begun = None, 0, []
-
-    def peak(self):
-        extra = self.jitter(self.b, len(self.begun)) if self.jitter else 0
-        return self.curve(self.b) + extra
-
-    def limits(self):
-        return self.limit, self.total
-
-    def hold(self, ballast):
-        self.ballast = ballast
-
-    def release(self):
-        self.ballast = 0
-
-    def begin(self, b):
-        self.b = b
-        self.begun.append(b)
-
-    def sync(self):
-        if self.peak() + self.ballast > self.limit:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
-
-    def end(self):
-        p = min(self.peak(), self.limit - self.ballast)
-        return p, p
 
 
 ARGS = dict(mode="train", dtype=None, input_range=None, input_fn=None, step_fn=None, loss_fn=None, optimizer=None,

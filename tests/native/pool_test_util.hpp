@@ -53,37 +53,21 @@ struct Setup {
 inline const UpstreamKind kKinds[] = {UpstreamKind::kPages, UpstreamKind::kSegments};
 
 // An upstream that forwards to a simulated device and fails map / allocate_segment calls on demand.
-class FlakyDevice : public Upstream {
+class FlakyDevice : public ForwardingUpstream {
  public:
-  explicit FlakyDevice(std::shared_ptr<SimulatedDevice> sim) : sim_(std::move(sim)) {}
+  explicit FlakyDevice(std::shared_ptr<SimulatedDevice> sim) : ForwardingUpstream(std::move(sim)) {}
   std::function<bool(std::size_t call)> fail_map;  // called with the 1-based index of the map call
   std::size_t map_calls = 0, failures = 0;
 
-  UpstreamKind kind() const override { return sim_->kind(); }
   std::string name() const override { return "flaky"; }
-  std::size_t page_size() const override { return sim_->page_size(); }
-  std::size_t device_total_bytes() const override { return sim_->device_total_bytes(); }
-  std::size_t device_free_bytes() const override { return sim_->device_free_bytes(); }
   std::uintptr_t allocate_segment(std::size_t b) override {
     if (fail_map && fail_map(++map_calls)) return ++failures, 0;
-    return sim_->allocate_segment(b);
+    return inner().allocate_segment(b);
   }
-  void free_segment(std::uintptr_t a, std::size_t b) override { sim_->free_segment(a, b); }
-  std::uintptr_t reserve_address_range(std::size_t b) override { return sim_->reserve_address_range(b); }
-  void release_address_range(std::uintptr_t a, std::size_t b) override { sim_->release_address_range(a, b); }
   bool map(std::uintptr_t a, std::size_t b, std::size_t page) override {
     if (fail_map && fail_map(++map_calls)) return ++failures, false;
-    return sim_->map(a, b, page);
+    return inner().map(a, b, page);
   }
-  void unmap(std::uintptr_t a, std::size_t b, std::size_t page) override { sim_->unmap(a, b, page); }
-  EventId record_event(StreamId s) override { return sim_->record_event(s); }
-  bool event_completed(EventId e) override { return sim_->event_completed(e); }
-  void destroy_event(EventId e) override { sim_->destroy_event(e); }
-  void wait_event(EventId e) override { sim_->wait_event(e); }
-  void synchronize(StreamId s) override { sim_->synchronize(s); }
-
- private:
-  std::shared_ptr<SimulatedDevice> sim_;
 };
 
 // A pool whose next block needs two runs of pages mapped, on a FlakyDevice (the page layout is drawn

@@ -222,8 +222,11 @@ def bench_model(a, model):
               f"{yn(r.get('fits_fresh')):>7s}{yn(r.get('long_run')):>11s}{yn(r['reserved_ok']):>24s}")
     if targets:
         print("targets (gpumem): " + ", ".join(f"{k}={v}" for k, v in targets.items()), flush=True)
-    return {"model": model, "kind": SPECS[model][0], "fraction": fraction, "allocator": a.allocator,
-            "true_max": true_max, "fresh_runs": fresh.runs, "finders": res, "targets": targets}
+    setup = {"model": model, "kind": SPECS[model][0], "fraction": fraction, "allocator": a.allocator,
+             "true_max": true_max, "fresh_runs": fresh.runs, "finders": res, "targets": targets}
+    # Each workload's figures as soon as they exist: a run cut short keeps what it measured.
+    print(json.dumps({"bench": "batch_size_setup", **setup}), flush=True)
+    return setup
 
 
 def main():

@@ -79,3 +79,36 @@ def test_pool_and_stats_say_why_on_cpu_torch():
             "    try:\n        f()\n    except RuntimeError as e:\n        print('ERR', e)\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("ERR") == 2 and "CPU-only" in r.stdout
+
+
+def test_gc_on_oom_skips_a_collect_that_cannot_help():
+    """A run of failed allocations with no Python in between (cuDNN trying algorithms) collects once;
+    garbage made since, or time passing, brings the collect back."""
+    import gc
+
+    from gpumem._torch import _GcOnOom
+
+    g = _GcOnOom()
+    gc.collect()
+    for _ in range(3):  # the first collect finds nothing (or the second, if the test left garbage)
+        g()
+    assert g.skipped >= 1 and g.collected <= 2
+    collected = g.collected
+    for _ in range(10):
+        g()
+    assert g.collected == collected  # still nothing new: every call skipped
+
+    cycles = []
+    for _ in range(200):  # garbage: reference cycles, more objects than NEW_OBJECTS
+        c = []
+        c.append(c)
+        cycles.append(c)
+    del cycles, c
+    g()
+    assert g.collected == collected + 1
+
+    g.QUIET_S = 0.0  # no quiet period: every call collects
+    before = g.collected
+    g()
+    g()
+    assert g.collected == before + 2

@@ -9,13 +9,14 @@
 * CUDA already initialized          -> one warning saying what to do; ``with gpumem.mem_pool(): ...``
   still routes allocations to gpumem through ``torch.cuda.MemPool``.
 * otherwise                         -> registered; ``gc.collect()`` runs before an allocation fails
-  (unless ``gc_on_oom:false``).
+  (unless ``gc_on_oom:false``; not again while a collect a moment ago found nothing: ``_GcOnOom``).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import os
+import time
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
@@ -52,8 +53,42 @@ def _import_bridge() -> Any:
     return bridge
 
 
-def _gc_collect() -> None:
-    gc.collect()
+class _GcOnOom:
+    """``gc.collect()`` before an allocation fails, skipped while it cannot help.
+
+    A step near the limit can fail dozens of allocations in a row without Python running in between:
+    cuDNN tries one algorithm after another when a workspace does not fit, and torch catches each
+    failure. A collect costs tens of milliseconds in a process with a large heap (Lightning,
+    transformers), so forty of them made one out-of-memory trial of a ResNet take seconds. A collect
+    that found no garbage will find none again until Python has made new objects: the next one is
+    skipped while fewer than ``NEW_OBJECTS`` container objects were made since, no automatic collection
+    ran, and less than ``QUIET_S`` passed.
+    """
+
+    QUIET_S = 1.0
+    NEW_OBJECTS = 100
+
+    def __init__(self) -> None:
+        self._found_nothing_at: Optional[float] = None
+        self._count_after = (0, 0, 0)
+        self.collected = 0  # collects run (statistics for tests and the curious)
+        self.skipped = 0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        count = gc.get_count()
+        if (self._found_nothing_at is not None and now - self._found_nothing_at < self.QUIET_S
+                and count[1:] == self._count_after[1:]
+                and count[0] - self._count_after[0] < self.NEW_OBJECTS):
+            self.skipped += 1
+            return
+        found = gc.collect()
+        self.collected += 1
+        self._found_nothing_at = time.monotonic() if found == 0 else None
+        self._count_after = gc.get_count()
+
+
+_gc_collect = _GcOnOom()
 
 
 def _init_bridge(torch: Any) -> Any:

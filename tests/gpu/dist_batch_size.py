@@ -5,7 +5,7 @@ rank (any number of ranks, 1 included).
 
 fsdp    a GPT sharded with FSDP2 (fully_shard per block and at the root), trained by a step_fn; the
         same budget on every rank. Every rank must get the same size, and 3 steps at that size must
-        peak (max_memory_reserved) inside the budget on every rank.
+        run capped at the budget (set_per_process_memory_fraction) without an OOM on every rank.
 uneven  a DDP model; rank r's budget is 3 GiB / (r + 1), so the last rank has the least memory. Each
         rank's own answer (searched alone, distributed=False), then the agreed one: the same on every
         rank, the smallest rank's answer (it decides), and it fits on that rank.
@@ -32,15 +32,26 @@ VOCAB, SEQ = 8192, 512
 
 
 def peak_in_budget(step, batch, budget):
-    """max_memory_reserved over 3 steps at `batch`, and whether it stayed inside `budget`."""
+    """3 steps at `batch` with the process capped at `budget` (what the budget means to the allocator:
+    the search ran under the same cap): (max_memory_reserved, whether all 3 ran without an OOM).
+    Uncapped, a caching allocator may keep more than the budget reserved (pages cached for FSDP's
+    other streams), which is not what the search promises."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(3):
-        step(batch)
-    torch.cuda.synchronize()
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    try:
+        for _ in range(3):
+            step(batch)
+        torch.cuda.synchronize()
+        fits = True
+    except torch.cuda.OutOfMemoryError:
+        fits = False
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
     peak = torch.cuda.max_memory_reserved()
-    return peak, peak <= budget
+    return peak, fits and peak <= budget
 
 
 def fsdp(rank, world):

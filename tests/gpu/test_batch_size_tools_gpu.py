@@ -71,6 +71,11 @@ def test_decorator_retries_on_real_oom_and_frees_the_failed_try():
     import gpumem
 
     model = small_gpt()
+    # One step at batch 1 first: torch's cuBLAS workspaces (32 MiB a handle on an H100) are made by the
+    # first matmul and kept for the process's life; they are torch's, not a failed try's.
+    warm = torch.optim.AdamW(model.parameters())
+    gpt_step(model, warm, 1)
+    del warm
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     lines = []
@@ -95,7 +100,7 @@ def test_decorator_retries_on_real_oom_and_frees_the_failed_try():
     import gc
 
     gc.collect()
-    assert torch.cuda.memory_allocated() <= base + (64 << 20)  # the tries' memory is gone (AdamW state aside)
+    assert torch.cuda.memory_allocated() <= base + (4 << 20)  # the tries' memory is gone
 
     calls = []
 
@@ -253,20 +258,19 @@ def test_generate_mode_needs_less_than_the_prompt_probe_says():
 
     import gpumem
 
-    # 8 layers: the KV cache of 512 positions (about 4 MiB a sample) outweighs the prompt's logits
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=256, n_layer=8, n_head=4)
+    # 8 layers: the KV cache of 256 positions (about 2 MiB a sample) outweighs the prompt's logits
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=256, n_layer=8, n_head=4)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).cuda().eval()
-    kw = dict(input_range=(0, VOCAB), max_memory=1 << 30, autocast=torch.bfloat16, verbose=False,
-              verify_steps=1)
-    gen = gpumem.find_batch_size(model, (32,), mode="generate", max_new_tokens=480, **kw)
+    kw = dict(input_range=(0, VOCAB), max_memory=512 << 20, autocast=torch.bfloat16, verify_steps=1)
+    gen = gpumem.find_batch_size(model, (32,), mode="generate", max_new_tokens=224, **kw)
     prompt_only = gpumem.find_batch_size(model, (32,), mode="inference", dtype=torch.long, **kw)
     assert 1 <= gen.batch_size < prompt_only.batch_size  # the cache grows: the prompt alone over-estimates
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         ids = torch.randint(0, VOCAB, (gen.batch_size, 32), device="cuda")
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=480,
-                             min_new_tokens=480, do_sample=False, pad_token_id=0)
-    assert out.shape == (gen.batch_size, 512)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=224,
+                             min_new_tokens=224, do_sample=False, pad_token_id=0)
+    assert out.shape == (gen.batch_size, 256)
 
 
 def test_sequence_length_search_and_frontier():

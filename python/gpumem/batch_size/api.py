@@ -124,8 +124,8 @@ def find_batch_size(
     resolution: Optional[float] = None,
     min_batch: int = 1,
     max_batch: Optional[int] = None,
-    steps: int = 3,
-    verify_steps: int = 5,
+    steps: Optional[int] = None,
+    verify_steps: Optional[int] = None,
     target_batch: Optional[int] = None,
     max_new_tokens: Optional[int] = None,
     generate_kwargs: Optional[Dict[str, Any]] = None,
@@ -166,7 +166,10 @@ def find_batch_size(
         autocast: e.g. ``torch.bfloat16`` to run the step under ``torch.autocast``.
         max_memory: budget: a fraction of the device's memory in (0, 1] (float) or bytes
             (int).  The allocator's own limit (free memory plus what torch reserved,
-            and ``set_per_process_memory_fraction``) always applies.
+            and ``set_per_process_memory_fraction``) always applies.  The trials run
+            as if the process were capped at the budget; to hold the training itself
+            to it on a larger GPU, cap the process too (``gpumem.set_cap``): uncapped,
+            the allocator may cache more than the budget.
         margin: ``None`` (default): measured.  Trials keep a small floor free
             (``max(32 MiB, 0.4 %)`` of the budget, for what no trial can see), and the final
             verification measures how much the peak at the answer moves between runs and keeps
@@ -177,9 +180,10 @@ def find_batch_size(
             ``0`` for the exact size at any scale, at the cost of more trials near
             the limit, which are the slowest).
         min_batch, max_batch: bounds of the search (default 1 and 65536).
-        steps: steps per trial (default 3).
+        steps: steps per trial (default 3; 1 with ``mode="generate"``, whose step is a whole
+            generation, its cache growing to ``max_new_tokens`` inside it).
         verify_steps: steps of the final verification of the answer, in this process and under
-            the same budget (default 5; 0: none).  See ``margin``.
+            the same budget (default 5, 2 with ``mode="generate"``; 0: none).  See ``margin``.
         target_batch: turns the result into a plan: ``micro_batch_size`` and
             ``accumulation_steps`` reaching ``target_batch`` samples per optimizer step
             (per process); the search stops at ``target_batch``.
@@ -205,6 +209,10 @@ def find_batch_size(
         ...                              input_range=(0, 32000), autocast=torch.bfloat16)
         >>> loader = DataLoader(ds, batch_size=res.batch_size)
     """
+    if steps is None:
+        steps = 1 if mode == "generate" else 3
+    if verify_steps is None:
+        verify_steps = 2 if mode == "generate" else 5
     args: Dict[str, Any] = dict(
         mode=mode, step_fn=step_fn, input_fn=input_fn, max_memory=max_memory, margin=margin,
         resolution=resolution, min_batch=min_batch, max_batch=max_batch, steps=steps,

@@ -9,7 +9,7 @@ the length at a fixed batch size with the same trials, margin and verification a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
@@ -63,13 +63,19 @@ def find_max_length(model: nn.Module, shape: Sequence[int], *, dim: int = 0, bat
 
 def _kwargs(kw: Any) -> Any:
     """find_batch_size's defaults for what the caller left out (as _find takes them all)."""
-    out = dict(mode="train", dtype=None, input_range=None, loss_fn=None, optimizer=None, autocast=None,
-               max_memory=None, margin=None, resolution=None, steps=3, verify_steps=5, max_new_tokens=None,
-               generate_kwargs=None, verbose=True, log=None, distributed=None)
+    out: Dict[str, Any] = dict(
+        mode="train", dtype=None, input_range=None, loss_fn=None, optimizer=None, autocast=None,
+        max_memory=None, margin=None, resolution=None, steps=None, verify_steps=None, max_new_tokens=None,
+        generate_kwargs=None, verbose=True, log=None, distributed=None)
     unknown = set(kw) - set(out)
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
     out.update(kw)
+    generating = out["mode"] == "generate"  # one generation per trial: find_batch_size's defaults
+    if out["steps"] is None:
+        out["steps"] = 1 if generating else 3
+    if out["verify_steps"] is None:
+        out["verify_steps"] = 2 if generating else 5
     return out
 
 

@@ -21,7 +21,10 @@ import os
 import uuid
 from typing import Any, Callable, Optional
 
+import torch
+
 from .api import find_batch_size
+from .backend import _CudaBackend
 from .results import BatchSizeResult
 
 
@@ -138,8 +141,8 @@ class BatchSizeFinder(_LightningFinder):
             kw = dict(self._gm)
             if kw["target_batch"] is not None:
                 hi = min(hi, kw["target_batch"])
-            return find_batch_size(pl_module, step_fn=run_loop, steps=1, min_batch=self._lo, max_batch=hi,
-                                   **kw)
+            res = find_batch_size(pl_module, step_fn=run_loop, steps=1, min_batch=self._lo, max_batch=hi,
+                                  **kw)
         finally:
             if predicting:
                 trainer.limit_predict_batches = limit_predict
@@ -148,6 +151,22 @@ class BatchSizeFinder(_LightningFinder):
                 trainer.progress_bar_callback.enable()
             trainer._checkpoint_connector.restore(ckpt_path)
             trainer.strategy.remove_checkpoint(ckpt_path)
+        # The trials ran Lightning's own optimizer, so its state (Adam's moments) lived until the
+        # checkpoint put the optimizer back, after find_batch_size measured: measure again now, once
+        # the memory of the trials is really gone.
+        backend = _backend_for(pl_module)
+        if backend is not None:
+            backend.after(res.reserved_before)
+            res.reserved_after = int(backend.reserved())
+        return res
+
+
+def _backend_for(pl_module: Any) -> Optional[_CudaBackend]:
+    """The CUDA backend of the module's device (None off CUDA: nothing to measure there)."""
+    device = getattr(pl_module, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _CudaBackend(device)
 
 
 def scale_batch_size(trainer: Any, model: Any, train_dataloaders: Any = None,

@@ -95,8 +95,10 @@ def counters(torch, gpumem_stats) -> dict:
 
 def grow(torch, device, tiny) -> list:
     """(a): per size, the median ms per GiB of allocating a fresh tensor on an empty pool."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    empty = torch.cuda.empty_cache if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    empty = torch.cuda.empty_cache if cuda else (lambda: None)
+    device_calls = (lambda: torch.cuda.memory_stats().get("num_device_alloc", 0)) if cuda else (lambda: 0)
     rows = []
     for size in GROW_SIZES:
         n = size // 1024 if tiny else size
@@ -104,8 +106,8 @@ def grow(torch, device, tiny) -> list:
         for _ in range(REPEATS):
             empty()
             sync()
-            reserved_before.append(torch.cuda.memory_reserved() if device.type == "cuda" else 0)
-            before = torch.cuda.memory_stats().get("num_device_alloc", 0) if device.type == "cuda" else 0
+            reserved_before.append(torch.cuda.memory_reserved() if cuda else 0)
+            before = device_calls()
             t0 = time.perf_counter()
             x = torch.empty(n, dtype=torch.uint8, device=device)
             sync()
@@ -113,9 +115,8 @@ def grow(torch, device, tiny) -> list:
             x.fill_(1)
             sync()
             t2 = time.perf_counter()
-            reserved_after.append(torch.cuda.memory_reserved() if device.type == "cuda" else 0)
-            calls.append((torch.cuda.memory_stats().get("num_device_alloc", 0) if device.type == "cuda" else 0)
-                         - before)
+            reserved_after.append(torch.cuda.memory_reserved() if cuda else 0)
+            calls.append(device_calls() - before)
             alloc_ms.append(1000 * (t1 - t0))
             fill_ms.append(1000 * (t2 - t1))
             del x
@@ -205,8 +206,9 @@ def map_worker() -> dict:
                     unmap_ms.append(1000 * (t2 - t1))
             del pool
             m, u = statistics.median(map_ms), statistics.median(unmap_ms)
+            pages = GiB // page
             rows.append(dict(page=page, exportable=exportable, map_ms_per_gib=m, unmap_ms_per_gib=u,
-                             map_us_per_page=1000 * m / (GiB // page), unmap_us_per_page=1000 * u / (GiB // page)))
+                             map_us_per_page=1000 * m / pages, unmap_us_per_page=1000 * u / pages))
     return dict(map=rows)
 
 
@@ -252,11 +254,12 @@ def varlen_summary(rows) -> dict:
 
 def report(results: dict, map_result: dict | None) -> str:
     lines = ["(a) grow: ms per GiB to allocate one fresh tensor on an empty pool (median of 3); fill: ms per "
-             "GiB to write the new 4 GiB once; calls: device allocation calls for the 4 GiB tensor; res64: MiB "
-             "reserved holding the 64 MiB tensor (page rounding); left: most MiB still reserved after "
-             "empty_cache() before a measurement (0: the pool was empty); share: a tensor exported for IPC",
-             f"{'allocator':13s} {'64MiB':>7s} {'256MiB':>7s} {'1GiB':>7s} {'4GiB':>7s} {'fill':>6s} {'calls':>5s} "
-             f"{'res64':>5s} {'left':>5s}  share"]
+             "GiB to write the new 4 GiB once; calls: device allocation calls for the 4 GiB tensor; "
+             "res64: MiB reserved holding the 64 MiB tensor (page rounding); left: most MiB still reserved "
+             "after empty_cache() before a measurement (0: the pool was empty); share: a tensor exported "
+             "for IPC",
+             f"{'allocator':13s} {'64MiB':>7s} {'256MiB':>7s} {'1GiB':>7s} {'4GiB':>7s} {'fill':>6s} "
+             f"{'calls':>5s} {'res64':>5s} {'left':>5s}  share"]
     for name, res in results.items():
         if res.get("error"):
             lines.append(f"{name:13s} error: {res['error']}")
@@ -266,8 +269,8 @@ def report(results: dict, map_result: dict | None) -> str:
         lines.append(f"{name:13s} " + " ".join(f"{fmt(r['alloc_ms_per_gib'], '.2f'):>7s}" for r in g)
                      + f" {fmt(g[-1]['fill_ms_per_gib'], '.2f'):>6s} {g[-1]['device_alloc_calls']:>5d} "
                      f"{g[0]['reserved_after'] // MiB:>5d} {left:>5d}  {res.get('shareable', '-')}")
-    lines += ["", "(b) varlen, its steps twice: ms/step (pass 1: all but the first step, as pressure.py times; "
-              "pass 2: the same steps on the grown pool); grew: steps that took device memory; "
+    lines += ["", "(b) varlen, its steps twice: ms/step (pass 1: all but the first step, as pressure.py "
+              "times; pass 2: the same steps on the grown pool); grew: steps that took device memory; "
               "maps/frees/syncs/retries: counter totals over the timed steps; max res: most bytes reserved",
               f"{'allocator':13s} {'pass':>4s} {'ms/step':>8s} {'grew':>5s} {'ms grew':>8s} {'ms rest':>8s} "
               f"{'maps':>6s} {'frees':>6s} {'syncs':>6s} {'retries':>7s} {'max res GiB':>11s}"]
@@ -325,17 +328,18 @@ def main(argv=None) -> int:
         print(json.dumps(map_worker()), flush=True)
         return 0
     allocators = args.allocators if args.device == "cuda" else ["none"]
+    pages = ", ".join(f"{p // MiB}" for p in MAP_PAGES)
     print(f"device {args.device}; allocators {', '.join(allocators)}: (a) grow {len(GROW_SIZES)} sizes x "
-          f"{REPEATS}, (b) varlen twice" + ("; (c) map path, pages " + ", ".join(f"{p // MiB}" for p in MAP_PAGES)
-                                            + " MiB, with and without the fd handle type"
-                                            if args.device == "cuda" else ""), flush=True)
+          f"{REPEATS}, (b) varlen twice" + (f"; (c) map path, pages {pages} MiB, with and without the fd "
+                                            "handle type" if args.device == "cuda" else ""), flush=True)
     if args.dry_run:
         return 0
     start = time.monotonic()
     results = {}
     for name in allocators:
         t0 = time.monotonic()
-        results[name] = run_worker(["--worker", name if name != "none" else "native", "--device", args.device])
+        worker_name = name if name != "none" else "native"  # on the CPU no allocator is selected
+        results[name] = run_worker(["--worker", worker_name, "--device", args.device])
         print(f"{name}: {time.monotonic() - t0:.0f} s" + (f"  error: {results[name]['error']}"
                                                           if results[name].get("error") else ""), flush=True)
     map_result = run_worker(["--map-worker"]) if args.device == "cuda" else None

@@ -144,7 +144,8 @@ class PoolResource:
          total_count=40),                                               # RMM before 26.x
 ])
 def test_rmm_figures_read_either_statistics_shape(counts):
-    assert rmm_figures(Adaptor(counts), PoolResource(8 << 30)) == dict(max_allocated=7 << 30, max_reserved=8 << 30)
+    figures = rmm_figures(Adaptor(counts), PoolResource(8 << 30))
+    assert figures == dict(max_allocated=7 << 30, max_reserved=8 << 30)
     # An RMM whose pool cannot say its size: no reserved figure rather than a wrong one.
     assert rmm_figures(Adaptor(counts), object()) == dict(max_allocated=7 << 30, max_reserved=None)
 
@@ -166,4 +167,5 @@ def test_growth_cost_plans_and_runs_tiny_on_the_cpu(tmp_path):
     steps = [r for r in res["varlen"] if r["pass_"] == 1]
     assert len(steps) >= 2 and [r for r in res["varlen"] if r["pass_"] == 2] != []
     assert all(r["length"] in (32, 64) and r["ms"] > 0 for r in res["varlen"])
-    assert doc["map"] is None and "(c) gpumem's map path" in r.stdout and "not run (no CUDA device)" in r.stdout
+    assert doc["map"] is None
+    assert "(c) gpumem's map path" in r.stdout and "not run (no CUDA device)" in r.stdout

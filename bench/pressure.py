@@ -5,7 +5,8 @@
 
 For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
 vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
-expandable, async, gpumem; rmm where RAPIDS RMM imports), one process per run:
+expandable, async; gpumem with each release policy: gpumem = release:lazy, gpumem_hw =
+release:high_water; rmm where RAPIDS RMM imports), one process per run:
 
  1. uncapped, alone (timed): native first, whose peak allocated bytes are P; then the others. Each
     gives its step time and max reserved / max allocated;
@@ -300,7 +301,8 @@ def parse_args(argv=None):
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
     ap.add_argument("--allocators", default=None,
-                    help=f"comma-separated, from {','.join(ALLOCATORS)} (default: all; rmm where it imports)")
+                    help=f"comma-separated, from {','.join(ALLOCATORS)} (default: all; rmm where it imports). "
+                         "gpumem: GPUMEM_CONF=release:lazy; gpumem_hw: release:high_water")
     ap.add_argument("--quick", action="store_true", help="half the steps, a 1%% tolerance")
     ap.add_argument("--tolerance", type=float, default=None, help="search resolution in units of P (0.0025)")
     ap.add_argument("--jobs", type=int, default=8, help="trials at once on the GPU, at most")

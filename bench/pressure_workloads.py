@@ -18,8 +18,10 @@ WORKLOAD   allocfree  torch.empty + free from Python, sizes 256 B to 64 MiB, at 
                       (torch.cat: a new, larger cache every token), prompt and batch new per request
            ckpt       LLaMA-style training (RMSNorm, SwiGLU, SDPA) with activation checkpointing,
                       a new sequence length every step
-ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gpumem | rmm (RAPIDS
-           RMM's pool through rmm_torch_allocator, capped by its maximum pool size) | none (CPU only)
+ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gpumem (release:lazy, the
+           default) | gpumem_hw (GPUMEM_CONF=release:high_water: cached pages released before reserving
+           past the live high water) | rmm (RAPIDS RMM's pool through rmm_torch_allocator, capped by its
+           maximum pool size) | none (CPU only)
 
 --fraction F caps the run with torch.cuda.set_per_process_memory_fraction(F) (rmm: a pool of at most
 F * total bytes). A step that raises an out-of-memory error counts as one OOM step and the run goes on
@@ -36,8 +38,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALLOCATORS = ("native", "expandable", "async", "gpumem", "rmm")
+ALLOCATORS = ("native", "expandable", "async", "gpumem", "gpumem_hw", "rmm")
 TORCH_ALLOC_CONF = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
+# gpumem's two release policies; set explicitly, so a GPUMEM_CONF of the caller's shell changes nothing.
+GPUMEM_CONF = {"gpumem": "release:lazy", "gpumem_hw": "release:high_water"}
 WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", "ckpt")
 # Bytes of device memory one worker uses outside its cap (CUDA context, cuBLAS/cuDNN handles): the
 # driver keeps the parallel trials' caps plus this under the device's memory.
@@ -46,7 +50,8 @@ CONTEXT_BYTES = 900 << 20
 
 def select_allocator(name: str, fraction: float | None) -> None:
     """Make `name` torch's CUDA allocator; before anything starts CUDA (rmm: after, see rmm_pool)."""
-    if name == "gpumem":
+    if name in GPUMEM_CONF:
+        os.environ["GPUMEM_CONF"] = GPUMEM_CONF[name]
         import gpumem  # noqa: F401  registers itself as torch's CUDA allocator
     elif name in TORCH_ALLOC_CONF:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = TORCH_ALLOC_CONF[name]
@@ -59,7 +64,8 @@ def select_allocator(name: str, fraction: float | None) -> None:
 
 
 def rmm_pool(fraction: float | None, total: int):
-    """RAPIDS RMM's pool as the current device resource, at most fraction * total bytes (256-aligned)."""
+    """RAPIDS RMM's pool as the current device resource, at most fraction * total bytes (256-aligned),
+    under a statistics adaptor; returns (the adaptor, the pool) for rmm_figures()."""
     import rmm
 
     limit = int(fraction * total) // 256 * 256 if fraction else None
@@ -68,7 +74,20 @@ def rmm_pool(fraction: float | None, total: int):
                                      maximum_pool_size=limit)
     stats = rmm.mr.StatisticsResourceAdaptor(pool)
     rmm.mr.set_current_device_resource(stats)
-    return stats
+    return stats, pool
+
+
+def rmm_figures(stats, pool) -> dict:
+    """max_allocated from RMM's statistics adaptor, max_reserved from its pool's size.
+
+    `allocation_counts` is a dict in RMM before 26.x and an rmm.statistics.Statistics (the same names
+    as attributes: current_bytes, peak_bytes, total_bytes, ...) from 26.x. PoolMemoryResource's
+    pool_size() is the bytes the pool holds from CUDA; the pool only grows (it gives memory back when
+    destroyed), so at the end of a run it is the run's maximum. None where this RMM lacks pool_size()."""
+    counts = stats.allocation_counts
+    peak = counts["peak_bytes"] if isinstance(counts, dict) else counts.peak_bytes
+    size = getattr(pool, "pool_size", None)
+    return dict(max_allocated=int(peak), max_reserved=int(size()) if callable(size) else None)
 
 
 # ----------------------------------------------------------------------------- the models
@@ -237,6 +256,7 @@ def w_lm(torch, tiny, rng, *, checkpointed):
     def step(i):
         ids = data[i].to(DEVICE)
         _train_step(torch, model, opt, lambda m: F.cross_entropy(m(ids).float().flatten(0, 1), ids.flatten()))
+    step.shapes = shapes  # (batch, length) per step, for bench/growth_cost.py's per-step table
     return steps, 1, step
 
 
@@ -390,14 +410,14 @@ def run(args) -> dict:
 
     DEVICE = torch.device(args.device)
     total = 0
-    stats = None
+    rmm_resources = None
     if DEVICE.type == "cuda":
         if args.allocator == "rmm":
             select_allocator("rmm", args.fraction)
         torch.cuda.init()
         total = torch.cuda.mem_get_info()[1]
         if args.allocator == "rmm":
-            stats = rmm_pool(args.fraction, total)
+            rmm_resources = rmm_pool(args.fraction, total)
         elif args.fraction is not None:
             torch.cuda.set_per_process_memory_fraction(args.fraction)
         torch.empty(1, device=DEVICE)
@@ -433,9 +453,8 @@ def run(args) -> dict:
                   step_ms=None if ooms and args.stop_on_oom else 1000 * (time.perf_counter() - t0) / timed,
                   total_bytes=total, device=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu")
     if DEVICE.type == "cuda":
-        if stats is not None:  # rmm: its statistics adaptor (no torch figures for a pluggable allocator)
-            counts = stats.allocation_counts
-            result.update(max_allocated=int(counts["peak_bytes"]), max_reserved=None)
+        if rmm_resources is not None:  # rmm: its own figures (torch has none for a pluggable allocator)
+            result.update(rmm_figures(*rmm_resources))
         else:
             result.update(max_allocated=torch.cuda.max_memory_allocated(),
                           max_reserved=torch.cuda.max_memory_reserved())

@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
-           "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py"]
+           "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py",
+           "growth_cost.py"]
 
 
 def run(args, cwd, **kw):

@@ -7,7 +7,7 @@ from gpumem import _C, parse_config
 def test_defaults():
     assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
                                 "release": "lazy", "release_slack": 0.005,
-                                "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True}
+                                "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True}
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,8 @@ def test_defaults():
         ("cap:1073741824", "cap_bytes", 1 << 30),
         ("release:lazy", "release", "lazy"),
         ("gc_on_oom:false", "gc_on_oom", False),
+        ("ipc:false", "ipc", False),
+        ("ipc:On", "ipc", True),
         ("release_slack:0", "release_slack", 0.0),
         ("page_size:16MiB", "page_size", 16 << 20),
         (" Upstream : VMM , , release:high_water", "upstream", "vmm"),
@@ -34,7 +36,7 @@ def test_accepted(text, key, value):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom"),
+        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc"),
         ("release_slack:2", "release_slack='2' is not valid"),
         ("page_size:3MiB", "page_size='3MiB' is not valid; accepted: a multiple of 2MiB"),
         ("upstream:cuda", "upstream='cuda' is not valid; accepted: auto, vmm, segments"),
@@ -44,6 +46,7 @@ def test_accepted(text, key, value):
         ("cap:12parsecs", "cap='12parsecs' is not valid"),
         ("release:sometimes", "accepted: lazy, high_water"),
         ("gc_on_oom:maybe", "accepted: true, false"),
+        ("ipc:sometimes", "ipc='sometimes' is not valid; accepted: true, false"),
         ("upstream", "is not key:value"),
     ],
 )

@@ -1,10 +1,12 @@
-"""bench/pressure.py without a GPU: the plan it prints, every workload's code run tiny on the CPU through
-the same driver and worker processes, and the cap search against runs whose outcome is known (a
-threshold cap, as a deterministic workload has). The caps and times themselves need the GPU machine
+"""bench/pressure.py and bench/growth_cost.py without a GPU: the plans they print, every workload's code
+run tiny on the CPU through the same driver and worker processes, the cap search against runs whose
+outcome is known (a threshold cap, as a deterministic workload has), and how RMM's figures are read
+from either of its statistics shapes. The caps and times themselves need the GPU machine
 (tools/pressure_gpu.sh)."""
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,11 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import pressure  # noqa: E402  (imports no torch)
-from pressure_workloads import WORKLOADS  # noqa: E402
+from pressure_workloads import ALLOCATORS, GPUMEM_CONF, WORKLOADS, rmm_figures  # noqa: E402
 
 
-def run(*args):
-    return subprocess.run([sys.executable, str(BENCH / "pressure.py"), *args], capture_output=True, text=True,
+def run(*args, script="pressure.py"):
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
                           timeout=300)
 
 
@@ -101,3 +103,69 @@ def test_table_shows_ratios_to_the_best_pytorch_allocator():
     text = pressure.table({"moe": dict(rows=rows)})
     gpumem = next(line for line in text.splitlines() if line.startswith("moe       gpumem"))
     assert gpumem.split()[2:] == ["1.0075", "0.969", "9.1", "1.010", "9.5", "0", "0.950", "1.010"], gpumem
+
+
+def test_both_gpumem_policies_are_allocators_of_the_benchmark():
+    assert {"gpumem", "gpumem_hw"} <= set(ALLOCATORS)
+    assert GPUMEM_CONF == {"gpumem": "release:lazy", "gpumem_hw": "release:high_water"}
+    r = run("--dry-run", "--workloads", "varlen")
+    assert r.returncode == 0, r.stderr
+    assert "allocators native, expandable, async, gpumem, gpumem_hw (+rmm if it imports)" in r.stdout
+    assert "gpumem_hw: release:high_water" in " ".join(run("--help").stdout.split())
+
+
+@dataclass
+class Statistics:
+    """RMM 26.x's rmm.statistics.Statistics: the adaptor's counts as attributes (RMM cannot run here)."""
+    current_bytes: int
+    current_count: int
+    peak_bytes: int
+    peak_count: int
+    total_bytes: int
+    total_count: int
+
+
+class Adaptor:
+    def __init__(self, counts):
+        self.allocation_counts = counts
+
+
+class PoolResource:
+    def __init__(self, size):
+        self._size = size
+
+    def pool_size(self):
+        return self._size
+
+
+@pytest.mark.parametrize("counts", [
+    Statistics(10, 1, 7 << 30, 9, 99 << 30, 40),                       # RMM 26.x
+    dict(current_bytes=10, current_count=1, peak_bytes=7 << 30, peak_count=9, total_bytes=99 << 30,
+         total_count=40),                                               # RMM before 26.x
+])
+def test_rmm_figures_read_either_statistics_shape(counts):
+    figures = rmm_figures(Adaptor(counts), PoolResource(8 << 30))
+    assert figures == dict(max_allocated=7 << 30, max_reserved=8 << 30)
+    # An RMM whose pool cannot say its size: no reserved figure rather than a wrong one.
+    assert rmm_figures(Adaptor(counts), object()) == dict(max_allocated=7 << 30, max_reserved=None)
+
+
+def test_growth_cost_plans_and_runs_tiny_on_the_cpu(tmp_path):
+    r = run("--dry-run", script="growth_cost.py")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("device cuda; allocators native, expandable, gpumem, gpumem_hw, gpumem_noipc, "
+                               "gpumem_p20: (a) grow"), r.stdout
+    r = run("--dry-run", "--allocators", "native,tcmalloc", script="growth_cost.py")
+    assert r.returncode == 2 and "unknown allocator(s) ['tcmalloc']" in r.stderr
+    out = tmp_path / "g.json"
+    r = run("--device", "cpu", "--json", out, script="growth_cost.py")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    res = doc["results"]["none"]
+    assert [g["bytes"] for g in res["grow"]] == [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    assert all(g["alloc_ms"] > 0 for g in res["grow"])
+    steps = [r for r in res["varlen"] if r["pass_"] == 1]
+    assert len(steps) >= 2 and [r for r in res["varlen"] if r["pass_"] == 2] != []
+    assert all(r["length"] in (32, 64) and r["ms"] > 0 for r in res["varlen"])
+    assert doc["map"] is None
+    assert "(c) gpumem's map path" in r.stdout and "not run (no CUDA device)" in r.stdout

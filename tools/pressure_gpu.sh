@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The pressure benchmark (bench/pressure.py) and the GPU tests touching page release, in calls of under
-# 8 minutes on an H100. Builds nothing (run `bash tools/gpu_session.sh build` first). Logs to $OUT.
-#   bash tools/pressure_gpu.sh tests       # GPU tests of the CUDA upstreams and the bridge (release paths)
+# The pressure benchmark (bench/pressure.py), the growth-cost diagnosis (bench/growth_cost.py) and the
+# GPU tests touching page release, in calls of under 8 minutes on an H100. Builds nothing (run
+# `bash tools/gpu_session.sh build` first). Logs to $OUT.
+#   bash tools/pressure_gpu.sh tests       # GPU tests of the CUDA upstreams and the bridge (release paths, ipc key)
 #   bash tools/pressure_gpu.sh 1|2|3       # the benchmark, one third of the workloads per call
+#   bash tools/pressure_gpu.sh growth      # what growing the pool costs per allocator (~2 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpumem-out}
@@ -11,10 +13,12 @@ case "${1:-}" in
   tests) timeout 470 python3 -m pytest -m gpu -p no:cacheprovider -rfEs -q \
            tests/gpu/test_cuda_upstreams_gpu.py tests/gpu/test_torch_bridge_gpu.py > "$OUT/release_tests.log" 2>&1
          echo "rc=$?"; tail -5 "$OUT/release_tests.log" ;;
+  growth) timeout 300 python3 bench/growth_cost.py --json "$OUT/growth_cost.json" > "$OUT/growth_cost.log" 2>&1
+          echo "rc=$?"; cat "$OUT/growth_cost.log" ;;
   1) W=moe,bert,generate ;;&
   2) W=ckpt,varlen,vit ;;&
   3) W=resnet,allocfree ;;&
   1|2|3) timeout 480 python3 bench/pressure.py --workloads "$W" --budget-s 400 --json "$OUT/pressure_$1.json" \
            > "$OUT/pressure_$1.log" 2>&1; echo "rc=$?"; tail -25 "$OUT/pressure_$1.log" ;;
-  *) echo "usage: $0 tests|1|2|3" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|growth|1|2|3" >&2; exit 2 ;;
 esac

@@ -195,9 +195,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_vmm_supported", &cuda_vmm_supported, py::arg("device") = 0);
   m.def("cuda_upstream",
-        [](const std::string& kind, int device) { return make_cuda_upstream(parse_kind(kind), device); },
-        py::arg("kind") = "vmm", py::arg("device") = 0,
-        "A CUDA upstream: 'vmm' (virtual memory pages) or 'segments' (cuMemAlloc).");
+        [](const std::string& kind, int device, bool exportable) {
+          return make_cuda_upstream(parse_kind(kind), device, exportable);
+        },
+        py::arg("kind") = "vmm", py::arg("device") = 0, py::arg("exportable") = true,
+        "A CUDA upstream: 'vmm' (virtual memory pages) or 'segments' (cuMemAlloc). exportable (vmm): "
+        "pages created with a POSIX file descriptor handle type, shareable with other processes.");
 
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
@@ -421,6 +424,7 @@ PYBIND11_MODULE(_C, m) {
           d["release_slack"] = c.release_slack;
           d["page_size"] = c.page_size;
           d["gc_on_oom"] = c.gc_on_oom;
+          d["ipc"] = c.ipc;
           return d;
         },
         py::arg("text"), py::arg("source") = "GPUMEM_CONF",

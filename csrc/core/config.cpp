@@ -31,6 +31,15 @@ bool parse_number(const std::string& text, double* out, std::string* rest) {
   return true;
 }
 
+// true/false and their spellings 1/0, yes/no, on/off; false when `text` is none of them.
+bool parse_flag(const std::string& text, bool* out) {
+  const std::string v = lower(text);
+  if (v == "1" || v == "true" || v == "yes" || v == "on") *out = true;
+  else if (v == "0" || v == "false" || v == "no" || v == "off") *out = false;
+  else return false;
+  return true;
+}
+
 }  // namespace
 
 std::string to_string(ReleasePolicy policy) {
@@ -121,13 +130,12 @@ Config parse_config(const std::string& text, const std::string& source) {
         bad(key, value, "a multiple of 2MiB such as 2MiB, 8MiB, 16MiB (at most 1GiB)");
       config.page_size = bytes;
     } else if (key == "gc_on_oom") {
-      std::string v = lower(value);
-      if (v == "1" || v == "true" || v == "yes" || v == "on") config.gc_on_oom = true;
-      else if (v == "0" || v == "false" || v == "no" || v == "off") config.gc_on_oom = false;
-      else bad(key, value, "true, false");
+      if (!parse_flag(value, &config.gc_on_oom)) bad(key, value, "true, false");
+    } else if (key == "ipc") {
+      if (!parse_flag(value, &config.ipc)) bad(key, value, "true, false");
     } else {
       throw InvalidArgument(source + ": unknown key '" + key +
-                            "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom");
+                            "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc");
     }
   }
   return config;

@@ -1,4 +1,4 @@
-// The configuration string (GPUMEM_CONF), e.g. "upstream:vmm,cap:0.9,release:lazy,page_size:8MiB".
+// The configuration string (GPUMEM_CONF), e.g. "upstream:vmm,cap:0.9,release:lazy,page_size:8MiB,ipc:true".
 // Parsed here, in the core, so that a bad string is rejected the same way with or without a GPU.
 #pragma once
 
@@ -17,6 +17,9 @@ struct Config {
   double release_slack = PoolOptions().release_slack;  // see PoolOptions
   std::size_t page_size = kDefaultPageSize;  // vmm upstream: bytes per physical page (multiple of 2 MiB)
   bool gc_on_oom = true;          // run the registered OOM callbacks (Python: gc.collect) before failing
+  // vmm upstream: create pages exportable as POSIX file descriptors, so that CUDA tensors can be
+  // shared with other processes (torch.multiprocessing); false: plain pages, sharing refused.
+  bool ipc = true;
 };
 
 // @throws InvalidArgument naming the key and the accepted values.

@@ -181,7 +181,7 @@ class CudaSegmentUpstream : public CudaUpstreamBase {
 // Virtual memory: one physical allocation (handle) per page, so any single page can go back.
 class CudaVmmUpstream : public CudaUpstreamBase {
  public:
-  explicit CudaVmmUpstream(int device) : CudaUpstreamBase(device) {
+  CudaVmmUpstream(int device, bool exportable) : CudaUpstreamBase(device), exportable_(exportable) {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop_.location.id = device;
@@ -190,8 +190,9 @@ class CudaVmmUpstream : public CudaUpstreamBase {
           "cuMemGetAllocationGranularity");
     page_ = std::max<std::size_t>(2 * MiB, granularity);
     // Pages can be exported as file descriptors (CUDA IPC), where the driver allows it (map() drops
-    // the request if cuMemCreate refuses it).
-    prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // the request if cuMemCreate refuses it), unless the configuration asked for plain pages (ipc:false).
+    prop_.requestedHandleTypes =
+        exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
@@ -259,6 +260,10 @@ class CudaVmmUpstream : public CudaUpstreamBase {
   }
 
   std::vector<int> export_pages(std::uintptr_t address, std::size_t count, std::size_t page) override {
+    if (!exportable_)
+      throw UpstreamError("gpumem: this pool's pages were created without a shareable handle "
+                          "(GPUMEM_CONF ipc:false), so they cannot be shared with another process; "
+                          "leave ipc at its default (true) to share CUDA tensors between processes");
     if (prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
       throw UpstreamError("gpumem: the CUDA driver does not let this device's memory be exported as "
                           "file descriptors, so it cannot be shared with another process");
@@ -290,6 +295,7 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     handles_.erase(it);
   }
 
+  bool exportable_;  // asked for exportable pages (the driver may still have refused: prop_ says)
   CUmemAllocationProp prop_ = {};
   CUmemAccessDesc access_ = {};
   std::size_t page_ = 2 * MiB;
@@ -325,12 +331,12 @@ bool cuda_vmm_supported(int device) {
   return supported != 0;
 }
 
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device) {
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device, bool exportable) {
   if (kind == UpstreamKind::kPages) {
     if (!cuda_vmm_supported(device))
       throw UpstreamError("gpumem: CUDA device " + std::to_string(device) +
                           " does not support virtual memory management; use upstream:segments");
-    return std::make_shared<CudaVmmUpstream>(device);
+    return std::make_shared<CudaVmmUpstream>(device, exportable);
   }
   return std::make_shared<CudaSegmentUpstream>(device);
 }
@@ -416,7 +422,7 @@ bool cuda_upstreams_built() { return false; }
 bool cuda_available() { return false; }
 int cuda_device_count() { return 0; }
 bool cuda_vmm_supported(int) { return false; }
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int) {
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind, int, bool) {
   throw UpstreamError("gpumem was built without the CUDA toolkit headers: rebuild with CUDA available");
 }
 std::shared_ptr<void> cuda_import_pages(int, int, const std::vector<int>&, std::size_t) {

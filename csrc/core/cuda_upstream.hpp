@@ -17,8 +17,11 @@ bool cuda_available();
 int cuda_device_count();
 // True when `device` supports virtual memory management (cuMemCreate & co). Never throws.
 bool cuda_vmm_supported(int device);
+// `exportable` (vmm only): create each page with a POSIX file descriptor handle type, so that
+// export_pages() can share it with another process (CUDA IPC); where the driver refuses that type the
+// pages are created plain and export_pages() says why. false: plain pages, export_pages() refused.
 // @throws UpstreamError when there is no driver/device, InvalidArgument for a bad device ordinal.
-std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device);
+std::shared_ptr<Upstream> make_cuda_upstream(UpstreamKind kind, int device, bool exportable = true);
 // Maps into this process the pages another process exported (Upstream::export_pages), given that
 // process's pid, its file descriptor numbers and the page size; the memory stays mapped until the
 // returned pointer's last copy is gone. @throws UpstreamError saying what failed.

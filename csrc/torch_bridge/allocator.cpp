@@ -106,7 +106,7 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, Relea
   std::shared_ptr<Upstream> upstream =
       external ? make_external_upstream(make_cuda_upstream(UpstreamKind::kSegments, device),
                                         std::move(external), device)
-               : make_cuda_upstream(kind, device);
+               : make_cuda_upstream(kind, device, cfg.ipc);
   PoolOptions options;
   options.release = release;
   options.release_slack = cfg.release_slack;

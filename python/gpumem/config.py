@@ -10,6 +10,8 @@ Keys (comma separated, ``key:value`` or ``key=value``):
 ``release_slack``  high_water only: how far (fraction) reserved may exceed the live high water (0.005)
 ``page_size``  vmm: bytes per physical page, a multiple of 2MiB (default 8MiB)
 ``gc_on_oom``  ``true`` (default: run ``gc.collect()`` before failing an allocation) or ``false``
+``ipc``        vmm: ``true`` (default: pages are created shareable as file descriptors, so CUDA tensors can
+               go to other processes) or ``false`` (plain pages; sharing a tensor raises, naming this key)
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """
@@ -31,6 +33,7 @@ class Config(TypedDict):
     release_slack: float  # high_water: how far reserved may exceed the live high water (0.005)
     page_size: int  # bytes per physical page of large arenas, a multiple of 2 MiB (8 MiB)
     gc_on_oom: bool  # run gc.collect() before failing an allocation
+    ipc: bool  # vmm: pages shareable with other processes (POSIX file descriptor handles)
 
 
 def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:

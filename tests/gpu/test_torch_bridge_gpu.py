@@ -269,3 +269,26 @@ def test_pool_after_cuda_init_allocates_from_gpumem():
     assert gt.stats(0)["reserved_bytes.all.current"] - before >= 128 * MiB
     assert float(t.sum()) == 32 * MiB
     """, prelude="")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ipc", ["true", "false"])
+def test_ipc_key_decides_whether_tensors_can_be_shared(ipc):
+    """ipc:true (the default) creates pages exportable as file descriptors: a tensor's storage gives a
+    gpumem IPC handle. ipc:false creates plain pages, which work as memory but sharing raises, naming
+    the key."""
+    run(f"""
+    t = torch.arange(64 * MiB // 4, device="cuda", dtype=torch.float32)
+    assert float(t[-1]) == 64 * MiB // 4 - 1
+    storage = t.untyped_storage()
+    if "{ipc}" == "true":
+        handle = storage._share_cuda_()[1]
+        assert b"gpumem-ipc:1:" in handle, handle
+    else:
+        try:
+            storage._share_cuda_()
+        except RuntimeError as e:
+            assert "ipc:false" in str(e), str(e)
+        else:
+            raise AssertionError("a tensor of an ipc:false pool was shared")
+    """, env={"GPUMEM_CONF": f"ipc:{ipc}"})

@@ -183,6 +183,7 @@ report(env=os.environ.get("NUMBA_CUDA_MEMORY_MANAGER"),
 """
 
 MiB = 1 << 20
+BANNER = "gpumem: active as torch's CUDA allocator"
 
 
 @pytest.fixture
@@ -243,7 +244,7 @@ def test_python_m_gpumem_run_trains_as_python_script_would(tmp_path, cwd):
     argv = [str(script), "--steps", "8", "--width", "384"]
     rc, out, err = gpumem_run(*argv, cwd=cwd)
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err}"
-    assert err.startswith("gpumem: active as torch's CUDA allocator"), err  # the banner
+    assert BANNER in err.splitlines(), err  # gpumem run's banner, gpumem.status_line()
     rep = report(out, err)
     check_trained(rep, argv, 8)
     assert os.path.samefile(rep["file"], script)
@@ -312,7 +313,7 @@ def test_torchrun_one_process_ddp_and_all_reduce(tmp_path, cwd, launcher):
     script = write(tmp_path, "ddp.py", DDP)
     rc, out, err = call(_torchrun_cmd(launcher, script, ["--tag", "x"]), cwd)
     assert rc == 0, f"stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}"
-    assert "gpumem: active as torch's CUDA allocator" in err  # the banner, from the rank
+    assert BANNER in err.splitlines(), err[-4000:]  # the banner, from the rank
     rep = report(out, err)
     assert rep["rank"] == 0 and rep["world"] == 1
     assert rep["argv"] == [str(script), "--tag", "x"] and rep["name"] == "__main__"

@@ -2,11 +2,11 @@
 # Issue 17's GPU proofs, on the GPU machine after gpumem is built (bash tools/gpu_session.sh build);
 # builds nothing. Logs go to $OUT (default /tmp/gpumem-out); one summary line per step.
 #
-#   bash tools/issue17_gpu.sh            # all steps (~5-7 min on an H100)
+#   bash tools/issue17_gpu.sh            # all steps (limits 200 + 60 + 300 s: fits one 10-min call)
 #   bash tools/issue17_gpu.sh run        # `gpumem run` on the GPU: tests/gpu/test_run_gpu.py, then the
 #                                        # torchrun tests of tests/test_run_cli.py (gloo) (~2 min)
 #   bash tools/issue17_gpu.sh sanitizer  # compute-sanitizer memcheck over tests/gpu/test_integrations_gpu.py
-#                                        # (SHARDS groups at once, default 3; limit 330 s)
+#                                        # (SHARDS groups at once, default 3; limit 300 s)
 #
 # Each step runs under `timeout -s KILL`, which kills the step's whole process group (pytest, its
 # children, the tool and its targets). The `gpumem run` tests start their children in sessions of
@@ -39,16 +39,16 @@ step() {  # step NAME LIMIT_S LOG CMD...: runs CMD under timeout -s KILL, output
 run_steps() {
   python3 -c "import gpumem, torch; print(gpumem.status_line(), '| torch', torch.__version__)" 2>&1 | tail -1
   command -v gpumem >/dev/null && echo "console script: $(command -v gpumem)" || echo "console script: none on PATH"
-  step run-gpu 300 "$OUT/run_gpu.log" \
+  step run-gpu 200 "$OUT/run_gpu.log" \
     python3 -m pytest -m gpu -p no:cacheprovider -rfEs -q tests/gpu/test_run_gpu.py
-  step run-cli-torchrun 120 "$OUT/run_cli_torchrun.log" \
+  step run-cli-torchrun 60 "$OUT/run_cli_torchrun.log" \
     python3 -m pytest -p no:cacheprovider -rfEs -q tests/test_run_cli.py -k torchrun
 }
 
 sanitizer_step() {
   # The integration tests each start their own Python; under the tool that start dominates, so three
   # groups run at once (tools/compute_sanitizer.sh SHARDS).
-  SHARDS=${SHARDS:-3} LOG_DIR="$OUT/cs_integrations" step sanitizer-integrations 330 "$OUT/cs_integrations.log" \
+  SHARDS=${SHARDS:-3} LOG_DIR="$OUT/cs_integrations" step sanitizer-integrations 300 "$OUT/cs_integrations.log" \
     bash tools/compute_sanitizer.sh -m gpu tests/gpu/test_integrations_gpu.py
 }
 

@@ -3,6 +3,7 @@ outside the repository, a real script (or module) that reports what it sees, no 
 
 The script must see what ``python SCRIPT`` / ``python -m MODULE`` would show it (argv, ``__main__``,
 ``__file__``, ``sys.path[0]``), gpumem already imported, and its exit status must come back as its own.
+Under ``torchrun`` (gloo), every rank's script runs so. The GPU side: tests/gpu/test_run_gpu.py.
 """
 from __future__ import annotations
 
@@ -215,3 +216,47 @@ def test_an_integration_flag_whose_library_is_missing_exits_2_naming_it(cwd, scr
     assert "REPORT" not in r.stdout  # the script never started
     r = run(cwd, "--help")
     assert flag in r.stdout
+
+
+DIST = textwrap.dedent("""\
+    import json, os, sys
+    gpumem_first = "gpumem" in sys.modules
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump({"argv": sys.argv, "name": __name__, "gpumem_first": gpumem_first,
+                   "world": dist.get_world_size(), "env_rank": os.environ["RANK"], "sum": float(t[0])}, f)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("launcher, nproc", [("-m", 2), ("--no-python", 1)])
+def test_torchrun_starts_gpumem_run_on_every_rank(cwd, tmp_path, launcher, nproc):
+    """torchrun -m gpumem run SCRIPT and torchrun --no-python gpumem run SCRIPT (the console script as
+    the program), on gloo: every rank runs the script as __main__ with gpumem first and its own argv."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    p = tmp_path / "dist_script.py"
+    p.write_text(DIST)
+    out = tmp_path / "ranks"
+    out.mkdir()
+    if launcher == "-m":
+        program = ["-m", "gpumem"]
+    else:
+        exe = _script()
+        if exe is None:
+            pytest.skip("no `gpumem` script on this environment (gpumem not installed with pip)")
+        program = ["--no-python", exe]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           *program, "run", "--quiet", str(p), str(out), "--flag"]
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    for rank in range(nproc):
+        rep = json.loads((out / f"rank{rank}.json").read_text())
+        assert rep["argv"] == [str(p), str(out), "--flag"] and rep["name"] == "__main__"
+        assert rep["gpumem_first"] is True and rep["env_rank"] == str(rank)
+        assert rep["world"] == nproc and rep["sum"] == nproc * (nproc + 1) / 2

@@ -5,8 +5,16 @@
 #
 #   bash tools/compute_sanitizer.sh                    # python -m pytest -m gpu tests/gpu -x -q
 #   bash tools/compute_sanitizer.sh -m gpu tests/gpu/test_torch_bridge_gpu.py -q   # other pytest args
+#   SHARDS=3 bash tools/compute_sanitizer.sh -m gpu tests/gpu/test_integrations_gpu.py   # 3 at once
 #
 # Environment:
+#   SHARDS                   N > 1: collect the tests the arguments select, deal them round-robin into N
+#                            groups and run the groups at once, one tool instance each, on the same GPU
+#                            (each group: python -m pytest -m gpu -q -rfEs -p no:cacheprovider NODE_IDS;
+#                            its output in LOG_DIR/pytest.shardK.log, printed when all are done). The
+#                            tool slows each process many times over while the GPU and the CPU cores
+#                            mostly wait, so tests that each start their own Python (the integration
+#                            tests) finish about N times sooner. One summary over every group's logs.
 #   COMPUTE_SANITIZER        path of the compute-sanitizer binary (default: PATH, then CUDA installs)
 #   COMPUTE_SANITIZER_FLAGS  extra flags, e.g. "--show-backtrace yes" to see where an error came from
 #                            (see below), "--leak-check full" (gpumem keeps its pool until exit, so leak
@@ -66,14 +74,62 @@ rm -f "$LOG_DIR"/memcheck.*.log
 
 if [[ $# -eq 0 ]]; then set -- -m gpu tests/gpu -x -q; fi
 
+memcheck() {  # memcheck ARGS: python -m pytest ARGS under the tool, logs in LOG_DIR (one per tool process)
+  # shellcheck disable=SC2086
+  "$CS" --tool memcheck --target-processes all --require-cuda-init no --launch-timeout 600 \
+    --show-backtrace device --print-limit 1000 --log-file "$LOG_DIR/memcheck.%p.log" ${COMPUTE_SANITIZER_FLAGS:-} \
+    python -m pytest "$@"
+}
+
+SHARDS=${SHARDS:-1}
+[[ "$SHARDS" =~ ^[1-9][0-9]*$ ]] || { echo "SHARDS must be a positive integer, not '$SHARDS'" >&2; exit 2; }
+rm -f "$LOG_DIR"/pytest.shard*.log "$LOG_DIR/tests.txt" "$LOG_DIR/collect.log"
+
 echo "$("$CS" --version | tail -1); logs in $LOG_DIR"
-echo "+ $CS --tool memcheck --target-processes all ... python -m pytest $*"
 start=$(date +%s)
-# shellcheck disable=SC2086
-"$CS" --tool memcheck --target-processes all --require-cuda-init no --launch-timeout 600 \
-  --show-backtrace device --print-limit 1000 --log-file "$LOG_DIR/memcheck.%p.log" ${COMPUTE_SANITIZER_FLAGS:-} \
-  python -m pytest "$@"
-rc=$?
+if [[ "$SHARDS" -eq 1 ]]; then
+  echo "+ $CS --tool memcheck --target-processes all ... python -m pytest $*"
+  memcheck "$@"
+  rc=$?
+else
+  # The node IDs the arguments select (after -m / -k), collected without the tool.
+  GPUMEM_NODE_IDS="$LOG_DIR/tests.txt" python - "$@" > "$LOG_DIR/collect.log" 2>&1 <<'EOF'
+import os, sys
+import pytest
+ids = []
+class Collect:
+    def pytest_collection_finish(self, session):
+        ids.extend(item.nodeid for item in session.items)
+rc = pytest.main(["--collect-only", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Collect()])
+with open(os.environ["GPUMEM_NODE_IDS"], "w") as f:
+    f.write("".join(i + "\n" for i in ids))
+sys.exit(rc)
+EOF
+  crc=$?
+  ids=()
+  [[ -f "$LOG_DIR/tests.txt" ]] && mapfile -t ids < "$LOG_DIR/tests.txt"
+  if [[ $crc -ne 0 || ${#ids[@]} -eq 0 ]]; then
+    tail -20 "$LOG_DIR/collect.log"
+    echo "collecting the tests failed (pytest exit $crc) or selected none: nothing ran under the tool" >&2
+    exit 2
+  fi
+  echo "+ ${#ids[@]} tests in $SHARDS groups at once: $CS --tool memcheck ... python -m pytest -m gpu ... NODE_IDS"
+  pids=()
+  for ((k = 0; k < SHARDS && k < ${#ids[@]}; k++)); do
+    group=()
+    for ((i = k; i < ${#ids[@]}; i += SHARDS)); do group+=("${ids[i]}"); done
+    memcheck -m gpu -q -rfEs -p no:cacheprovider "${group[@]}" > "$LOG_DIR/pytest.shard$k.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for k in "${!pids[@]}"; do
+    wait "${pids[k]}"
+    r=$?
+    echo "--- group $k (pytest exit $r): $LOG_DIR/pytest.shard$k.log"
+    cat "$LOG_DIR/pytest.shard$k.log"
+    [[ $r -ne 0 && $rc -eq 0 ]] && rc=$r
+  done
+fi
 elapsed=$(( $(date +%s) - start ))
 
 python tools/sanitizer_summary.py "$LOG_DIR" "$rc" "$elapsed"

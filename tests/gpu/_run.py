@@ -15,9 +15,9 @@ def clean_env(**extra):
     return env
 
 
-def start(cmd, env):
+def start(cmd, env, cwd=None):
     """The child in a new session (its own process group), stdout and stderr captured as text."""
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 

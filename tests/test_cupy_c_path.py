@@ -8,7 +8,6 @@ import ctypes
 import importlib.util
 import shutil
 import subprocess
-import sys
 import sysconfig
 
 import pytest

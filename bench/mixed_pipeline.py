@@ -11,12 +11,14 @@ allocation step, minus what was in use before the first) and the peak of live by
 pipeline holds at that moment, counted by the pipeline itself); their ratio is the overhead of the
 allocators. Then a cap run: the device is limited (a raw cudaMalloc ballast takes the rest) to a size
 where gpumem's peak fits with a margin, and `own` and `gpumem` run again under it. Then the cost of
-one CuPy operation's allocation (allocate + free, and a small elementwise op) through gpumem and
-through CuPy's own pool, and, with rmm, of one rmm.DeviceBuffer through gpumem's resource and
+one CuPy operation's allocation (allocate + free, and a small elementwise op) through gpumem's C path
+(CuPy's CFunctionAllocator over the bridge's C functions), through its Python path, and through
+CuPy's own pool, and, with rmm, of one rmm.DeviceBuffer through gpumem's resource and
 through RMM's pool.
 
     python bench/mixed_pipeline.py                 # the full run (a few minutes on an H100)
     python bench/mixed_pipeline.py --scale 0.25    # sizes 0.025 to 1.5 GiB: about a minute
+    python bench/mixed_pipeline.py --ops-only      # only the cost per allocation (seconds)
 
 Prints a table, then one JSON line. Needs torch with CUDA, cupy, numba-cuda; rmm is optional.
 """
@@ -190,12 +192,14 @@ def op_cost(config: str, iterations: int) -> dict:
         for _ in range(iterations):
             rmm.DeviceBuffer(size=MiB)
         return dict(config=config, buffer_us=(time.perf_counter() - t0) / iterations * 1e6)
-    if config == "op-gpumem":
+    path = ""
+    if config.startswith("op-gpumem"):  # op-gpumem-c, op-gpumem-python
         import gpumem
         import gpumem.cupy
 
         assert gpumem.is_active(), gpumem.status_line()
-        gpumem.cupy.use()
+        gpumem.cupy.use(config.rsplit("-", 1)[1])
+        path = gpumem.cupy.path()
     import cupy
 
     x = cupy.ones(1024, dtype=cupy.float32)
@@ -212,7 +216,7 @@ def op_cost(config: str, iterations: int) -> dict:
         x + 1
     cupy.cuda.runtime.deviceSynchronize()
     op_us = (time.perf_counter() - t0) / iterations * 1e6
-    return dict(config=config, alloc_free_us=alloc_us, small_op_us=op_us)
+    return dict(config=config, alloc_free_us=alloc_us, small_op_us=op_us, path=path)
 
 
 # ---- the parent -------------------------------------------------------------------------------------
@@ -248,6 +252,7 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=20000, help="per-op benchmark iterations")
     p.add_argument("--timeout", type=int, default=300, help="seconds per child process")
     p.add_argument("--skip-cap", action="store_true", help="no cap run")
+    p.add_argument("--ops-only", action="store_true", help="only the cost per allocation (no pipeline)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--what", default="pipeline", help=argparse.SUPPRESS)
     p.add_argument("--device-limit", type=int, default=0, help=argparse.SUPPRESS)
@@ -264,21 +269,23 @@ def main() -> int:
     if not have_rmm:
         print(f"(rmm left out: {(probe.stderr.strip().splitlines() or ['?'])[-1]})")
     configs = ["own", "gpumem"] + (["rmm-pool", "rmm-async"] if have_rmm else [])
-    results = {c: child(c, args) for c in configs}
+    results = {} if args.ops_only else {c: child(c, args) for c in configs}
     cap_runs = {}
-    g = results["gpumem"]
+    g = results.get("gpumem", {})
     if not args.skip_cap and g.get("ok"):
         # gpumem's own peak plus 10% and a page of slack, in 256 MiB steps.
         limit = math.ceil((g["peak_device"] * 1.10 + 64 * MiB) / (256 * MiB)) * 256 * MiB
         cap_runs = {c: child(c, args, device_limit=limit) for c in ("own", "gpumem")}
-    ops = {c: child(c, args, what="op") for c in ["op-own", "op-gpumem"]}
+    op_configs = ["op-own", "op-gpumem-c", "op-gpumem-python"]
+    ops = {c: child(c, args, what="op") for c in op_configs}
     if have_rmm:
         ops.update({c: child(c, args, what="op") for c in ["rmm-op-pool", "rmm-op-gpumem"]})
 
-    print(f"mixed pipeline: CuPy -> torch -> Numba, {args.rounds} rounds, sizes "
-          f"{0.1 * args.scale:g}-{6 * args.scale:g} GiB (seed {args.seed})")
-    print(f"{'configuration':<14} {'peak device GiB':>16} {'peak live GiB':>14} {'ratio':>7}  {'s':>6}  "
-          f"result")
+    if results:
+        print(f"mixed pipeline: CuPy -> torch -> Numba, {args.rounds} rounds, sizes "
+              f"{0.1 * args.scale:g}-{6 * args.scale:g} GiB (seed {args.seed})")
+        print(f"{'configuration':<14} {'peak device GiB':>16} {'peak live GiB':>14} {'ratio':>7}  "
+              f"{'s':>6}  result")
     for c, r in results.items():
         ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
         print(f"{c:<14} {gib(r.get('peak_device')):>16} {gib(r.get('peak_live')):>14} {ratio:>7}  "
@@ -289,14 +296,14 @@ def main() -> int:
         for c, r in cap_runs.items():
             state = "ok" if r.get("ok") else f"failed at round {r.get('rounds')}: {r.get('error')}"
             print(f"  {c:<12} {state}")
-    print("\nallocation cost per CuPy op (us):")
-    for c in ("op-own", "op-gpumem"):
+    print("\nallocation cost per CuPy op (us; op-own: CuPy's own MemoryPool):")
+    for c in op_configs:
         r = ops[c]
         if "alloc_free_us" in r:
-            print(f"  {c:<14} empty(1 MiB)+free {r['alloc_free_us']:6.2f}   x + 1 (1024 floats) "
+            print(f"  {c:<17} empty(1 MiB)+free {r['alloc_free_us']:6.2f}   x + 1 (1024 floats) "
                   f"{r['small_op_us']:6.2f}")
         else:
-            print(f"  {c:<14} {r.get('error')}")
+            print(f"  {c:<17} {r.get('error')}")
     for c in ("rmm-op-pool", "rmm-op-gpumem"):
         if c in ops:
             r = ops[c]
@@ -304,7 +311,8 @@ def main() -> int:
                   else f"  {c:<14} {r.get('error')}")
     print(json.dumps(dict(bench="mixed_pipeline", rounds=args.rounds, scale=args.scale, seed=args.seed,
                           results=results, cap=cap_runs, ops=ops)))
-    return 0 if all(r.get("ok") for r in results.values()) else 1
+    ok = all(r.get("ok") for r in results.values()) and all("alloc_free_us" in ops[c] for c in op_configs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_integration_submodules_load_on_attribute_access():
 
 
 @absent("cupy")
-@pytest.mark.parametrize("call", ["use", "unuse", "allocator", "using"])
+@pytest.mark.parametrize("call", ["use", "unuse", "allocator", "using", "path", "c_path_problem"])
 def test_cupy_calls_name_the_missing_package(call):
     fn = getattr(gpumem.cupy, call)
     with pytest.raises(ImportError, match=r"gpumem\.cupy\.\w+\(\) needs cupy .*pip install cupy") as info:

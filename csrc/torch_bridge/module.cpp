@@ -16,6 +16,7 @@
 
 #include "core/cuda_upstream.hpp"
 #include "torch_bridge/allocator.hpp"
+#include "torch_bridge/cupy_c_allocator.hpp"
 
 namespace py = pybind11;
 using gpumem::torch_bridge::GpumemAllocator;
@@ -248,6 +249,8 @@ PYBIND11_MODULE(_bridge, m) {
       py::arg("ptr"), py::arg("stream") = py::none(),
       "Free a foreign_alloc pointer (stream: the one it is freed on; None: its own). Returns its "
       "size; ValueError for a pointer that is not a live foreign block.");
+  // CuPy's C allocator interface (CFunctionAllocator): the path gpumem.cupy takes when it can.
+  gpumem::torch_bridge::bind_cupy_c_allocator(m, foreign_oom);
   m.def(
       "library_stats",
       [](int device) {

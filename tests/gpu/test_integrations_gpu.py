@@ -41,11 +41,20 @@ def libraries_sum():
     return sum(lib(n) for n in ("torch", "cupy", "numba", "rmm"))
 """
 
-CUPY = PRELUDE + """
+
+
+def cupy_prelude(kind="auto"):
+    """PRELUDE with CuPy allocating from gpumem (kind: "auto", "c" or "python", as use()'s)."""
+    return PRELUDE + f"""
 import cupy
 import gpumem.cupy
-gpumem.cupy.use()
+gpumem.cupy.use({kind!r})
+assert gpumem.cupy.path() == {kind!r} or {kind!r} == "auto", gpumem.cupy.path()
 """
+
+
+CUPY = cupy_prelude()
+KINDS = pytest.mark.parametrize("kind", ["c", "python"])
 
 
 _IMPORTABLE = {}
@@ -77,9 +86,10 @@ def run(body, prelude=CUPY, env=None, timeout=540):
 # ---- CuPy -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_cupy_live_bytes_are_counted_apart_from_torchs():
+@KINDS
+def test_cupy_live_bytes_are_counted_apart_from_torchs(kind):
     need("cupy", "cupy")
-    run("""
+    run(prelude=cupy_prelude(kind), body="""
     t0, c0 = lib("torch"), lib("cupy")
     x = cupy.ones(16 * MiB, dtype=cupy.float32)          # 64 MiB
     t = torch.ones(8 * MiB, dtype=torch.float32, device=dev)  # 32 MiB
@@ -101,6 +111,83 @@ def test_cupy_live_bytes_are_counted_apart_from_torchs():
     y = cupy.ones(1024)                                    # CuPy's own pool again
     assert lib("cupy") == c0
     """)
+
+
+@pytest.mark.gpu
+def test_cupy_takes_the_c_path_with_cupys_current_stream():
+    need("cupy", "cupy")
+    run("""
+    # The GPU machine's CuPy exports its current-stream function and passes C errors on.
+    assert gpumem.cupy.c_path_problem() == "", gpumem.cupy.c_path_problem()
+    assert gpumem.cupy.path() == "c"
+    fn = cupy.cuda.get_allocator()
+    assert type(fn.__self__).__name__ == "CFunctionAllocator", fn
+    c0 = lib("cupy")
+
+    def segment_stream(ptr):
+        # The stream of the pool region (arena) holding ptr, from the snapshot gpumem gives torch.
+        for seg in torch.cuda.memory_snapshot():
+            for b in seg["blocks"]:
+                if b["address"] <= ptr < b["address"] + b["size"] and b["state"] == "active_allocated":
+                    return seg["stream"]
+        raise AssertionError(f"{ptr:#x} is in no allocated block of the snapshot")
+
+    x = cupy.ones(4 * MiB, dtype=cupy.uint8)
+    assert type(x.data.mem).__name__ == "CFunctionAllocatorMemory", type(x.data.mem)
+    assert lib("cupy") - c0 == 4 * MiB
+    assert segment_stream(x.data.ptr) == cupy.cuda.get_current_stream().ptr
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        y = cupy.ones(8 * MiB, dtype=cupy.uint8)           # CuPy's current stream: side
+        assert int(y.sum()) == 8 * MiB
+    assert side.ptr != 0 and segment_stream(y.data.ptr) == side.ptr
+    ptr = y.data.ptr
+    side.synchronize()
+    del y                                                  # back to side's arena...
+    with side:
+        z = cupy.empty(8 * MiB, dtype=cupy.uint8)          # ...reused at once by side's next block
+    assert z.data.ptr == ptr, (hex(z.data.ptr), hex(ptr))
+    del z
+    e = cupy.empty(0, dtype=cupy.uint8)                    # size 0: no block, as CuPy's own pool
+    assert e.data.ptr == 0 and lib("cupy") - c0 == 4 * MiB
+    # A block outlives the allocator that made it (unuse drops it): freed without it.
+    gpumem.cupy.unuse()
+    del fn
+    gc.collect()
+    assert lib("cupy") - c0 == 4 * MiB
+    del x
+    assert lib("cupy") == c0
+    assert pool_allocated() == libraries_sum()
+    gpumem.validate()
+    """, prelude=cupy_prelude("c"))
+
+
+@pytest.mark.gpu
+def test_cupy_python_path_can_be_chosen_and_switched():
+    need("cupy", "cupy")
+    run("""
+    assert gpumem.cupy.path() == "python"
+    fn = cupy.cuda.get_allocator()
+    assert fn.__name__ == "gpumem_cupy_malloc", fn
+    c0 = lib("cupy")
+    x = cupy.ones(MiB, dtype=cupy.uint8)
+    assert type(x.data.mem).__name__ == "UnownedMemory"
+    gpumem.cupy.use("c")                                   # switches, not stacked
+    assert gpumem.cupy.path() == "c"
+    y = cupy.ones(MiB, dtype=cupy.uint8)
+    assert type(y.data.mem).__name__ == "CFunctionAllocatorMemory"
+    assert lib("cupy") - c0 == 2 * MiB
+    gpumem.cupy.unuse()                                    # CuPy's own pool, not the Python path
+    assert not gpumem.cupy.is_used()
+    own = cupy.ones(MiB, dtype=cupy.uint8)
+    assert type(own.data.mem).__name__ not in ("UnownedMemory", "CFunctionAllocatorMemory")
+    assert lib("cupy") - c0 == 2 * MiB
+    with gpumem.cupy.using("c"):
+        z = cupy.ones(MiB, dtype=cupy.uint8)
+    assert lib("cupy") - c0 == 3 * MiB
+    del x, y, z
+    assert lib("cupy") == c0
+    """, prelude=cupy_prelude("python"))
 
 
 @pytest.mark.gpu
@@ -159,9 +246,10 @@ def test_one_cap_and_one_fraction_cover_torch_and_cupy():
 
 
 @pytest.mark.gpu
-def test_cupy_oom_releases_the_cache_runs_gc_then_raises_cupys_error():
+@KINDS
+def test_cupy_oom_releases_the_cache_runs_gc_then_raises_cupys_error(kind):
     need("cupy", "cupy")
-    run("""
+    run(prelude=cupy_prelude(kind), body="""
     gpumem.set_cap(1024 * MiB)
     # Cached memory on another stream's arena: only released memory can serve CuPy's request.
     side = torch.cuda.Stream()
@@ -262,9 +350,10 @@ def test_torch_block_freed_on_stream_b_is_not_reused_by_cupy_on_stream_a_too_ear
 
 
 @pytest.mark.gpu
-def test_dlpack_memory_goes_back_only_when_both_sides_dropped_it():
+@KINDS
+def test_dlpack_memory_goes_back_only_when_both_sides_dropped_it(kind):
     need("cupy", "cupy")
-    run("""
+    run(prelude=cupy_prelude(kind), body="""
     # torch -> CuPy
     t0 = lib("torch")
     t = torch.full((16 * MiB,), 3, dtype=torch.float32, device=dev)

@@ -258,19 +258,21 @@ def test_generate_mode_needs_less_than_the_prompt_probe_says():
 
     import gpumem
 
-    # 8 layers: the KV cache of 256 positions (about 2 MiB a sample) outweighs the prompt's logits
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=256, n_layer=8, n_head=4)
+    # The KV cache of 224 positions (4 layers x 2 x 512 x bf16: about 1.8 MiB a sample) outweighs the
+    # prompt's logits. Few layers: every trial's batch gives every token new shapes, and the kernels'
+    # choice for each new shape costs more than the tiny model's compute.
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=512, n_layer=4, n_head=8)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).cuda().eval()
     kw = dict(input_range=(0, VOCAB), max_memory=512 << 20, autocast=torch.bfloat16, verify_steps=1)
-    gen = gpumem.find_batch_size(model, (32,), mode="generate", max_new_tokens=224, **kw)
+    gen = gpumem.find_batch_size(model, (32,), mode="generate", max_new_tokens=192, **kw)
     prompt_only = gpumem.find_batch_size(model, (32,), mode="inference", dtype=torch.long, **kw)
     assert 1 <= gen.batch_size < prompt_only.batch_size  # the cache grows: the prompt alone over-estimates
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         ids = torch.randint(0, VOCAB, (gen.batch_size, 32), device="cuda")
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=224,
-                             min_new_tokens=224, do_sample=False, pad_token_id=0)
-    assert out.shape == (gen.batch_size, 256)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=192,
+                             min_new_tokens=192, do_sample=False, pad_token_id=0)
+    assert out.shape == (gen.batch_size, 224)
 
 
 def test_sequence_length_search_and_frontier():

@@ -85,9 +85,9 @@ class Search:
         lo, hi = self.bracket()
         if self.done():
             return []
-        if hi is None:  # nothing passed yet: climb from the highest failure, doubling the step
-            points, step = [], max(0.05, lo * 0.05)
-            k = lo
+        if hi is None:  # nothing passed yet: climb from the highest failure (or the floor), doubling the step
+            k = self.floor if lo is None else lo
+            points, step = [], max(0.05, k * 0.05)
             while len(points) < m and k < self.ceiling:
                 k = min(self.ceiling, k + step)
                 points.append(k)
@@ -226,6 +226,10 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
         rows[a].update(capped_step_ms=r.get("step_ms"), capped_ooms=r.get("ooms"), capped_error=r.get("error"))
         if r.get("error") is None:
             searches[a].record(TIMED_CAP, passed(r))
+    # A capped run that failed with something other than an OOM: no cap can be trusted for that
+    # allocator, so it is not searched (its row shows the error).
+    for a in [a for a in searches if rows[a].get("capped_error")]:
+        del searches[a]
     rounds = 0
     while any(not s.done() for s in searches.values()) and time.monotonic() < deadline:
         active = [a for a, s in searches.items() if not s.done()]
@@ -281,7 +285,8 @@ def table(results: dict) -> str:
                 f"{fmt(cap / best_cap if cap and best_cap else None):>8s} {fmt(ms, '.1f'):>8s} "
                 f"{fmt(ms / best_ms if ms and best_ms else None):>8s} {fmt(cms, '.1f'):>8s} "
                 f"{fmt(r.get('capped_ooms'), 'd'):>4s} {fmt(cms / exp_ms if cms and exp_ms else None):>7s} "
-                f"{fmt(r.get('reserved_over_allocated')):>9s}" + (f"  error: {r['error']}" if r.get("error") else ""))
+                f"{fmt(r.get('reserved_over_allocated')):>9s}" + (f"  error: {r['error']}" if r.get("error") else "")
+                + (f"  capped error: {r['capped_error']}" if r.get("capped_error") else ""))
     lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
                  "unfinished, '>x': none up to x); vs best: / the best PyTorch allocator's; ms free: step time "
                  "uncapped; ms @1.05: at a 1.05x cap (ooms: its OOM steps), vs exp: / expandable_segments'.")

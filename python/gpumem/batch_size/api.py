@@ -209,10 +209,7 @@ def find_batch_size(
         ...                              input_range=(0, 32000), autocast=torch.bfloat16)
         >>> loader = DataLoader(ds, batch_size=res.batch_size)
     """
-    if steps is None:
-        steps = 1 if mode == "generate" else 3
-    if verify_steps is None:
-        verify_steps = 2 if mode == "generate" else 5
+    steps, verify_steps = _default_steps(mode, steps, verify_steps)
     args: Dict[str, Any] = dict(
         mode=mode, step_fn=step_fn, input_fn=input_fn, max_memory=max_memory, margin=margin,
         resolution=resolution, min_batch=min_batch, max_batch=max_batch, steps=steps,
@@ -221,6 +218,14 @@ def find_batch_size(
     _validate(model, shape, **args)
     return _on_cuda(model, shape, dtype=dtype, loss_fn=loss_fn, autocast=autocast, verbose=verbose,
                     log=log, distributed=distributed, generate_kwargs=generate_kwargs, **args)
+
+
+def _default_steps(mode: str, steps: Optional[int], verify_steps: Optional[int]) -> Tuple[int, int]:
+    """(steps per trial, steps of the verification), the defaults for those left ``None``: a
+    generation is a whole loop whose cache grows inside it, so 1 and 2; any other step 3 and 5."""
+    generating = mode == "generate"
+    return (steps if steps is not None else (1 if generating else 3),
+            verify_steps if verify_steps is not None else (2 if generating else 5))
 
 
 def _on_cuda(model: Optional[nn.Module], shape: Any, **kw: Any) -> BatchSizeResult:

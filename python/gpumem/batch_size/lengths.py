@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
-from .api import _on_cuda, find_batch_size
+from .api import _default_steps, _on_cuda, find_batch_size
 from .results import BatchSizeResult
 
 __all__ = ["find_max_length", "find_token_frontier", "TokenFrontier"]
@@ -71,11 +71,7 @@ def _kwargs(kw: Any) -> Any:
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
     out.update(kw)
-    generating = out["mode"] == "generate"  # one generation per trial: find_batch_size's defaults
-    if out["steps"] is None:
-        out["steps"] = 1 if generating else 3
-    if out["verify_steps"] is None:
-        out["verify_steps"] = 2 if generating else 5
+    out["steps"], out["verify_steps"] = _default_steps(out["mode"], out["steps"], out["verify_steps"])
     return out
 
 

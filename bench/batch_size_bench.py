@@ -84,7 +84,8 @@ def child(a):
                 res = w.gpumem()
                 batch, trials = res.size, len(res.trials)
                 out.update(failed_trials=sum(not t.fits for t in res.trials), spread=res.spread_bytes,
-                           trial_sizes=[(t.batch_size, t.outcome, t.phase) for t in res.trials])
+                           trial_sizes=[(t.batch_size, t.outcome, t.phase, t.peak_bytes, t.reserved_bytes)
+                                        for t in res.trials])
             elif a.child == "accelerate":
                 batch, trials = w.accelerate(w.accelerate_start)
             elif a.child == "gpumem_decorator":

@@ -144,6 +144,31 @@ def test_resolution_near_a_limit_the_line_overshoots():
     assert len(out.trials) < len(out0.trials), (coarse.calls, exact.calls)
 
 
+@pytest.mark.parametrize("overhead,page", [(0.01, 2 * MiB), (0.017, 2 * MiB), (0.06, 2 * MiB), (0.005, 8 * MiB)])
+def test_reserved_overhead_aims_at_the_reserved_limit(overhead, page):
+    # what fits is the reserved peak (the ballast leaves the target for the allocator's pages), which runs
+    # ahead of the allocated one by the allocator's overhead: the search aims at the reserved line and
+    # closes the bracket in a step or two, where the allocated line alone overshoots and gallops down
+    target = int(3.14 * GiB)
+
+    def reserved(b):
+        return math.ceil((int(0.24 * GiB) + b * int(5.9 * MiB)) * (1 + overhead) / page) * page
+
+    calls = []
+
+    def measure(b):
+        calls.append(b)
+        if reserved(b) > target:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return bs.results._Measurement(int(0.24 * GiB) + b * int(5.9 * MiB), reserved(b), None)
+
+    out = _search(measure, target, 1, 1 << 16, resolution=0.0025)
+    expect = true_max(reserved, target)
+    assert expect * 0.9975 <= out.batch_size <= expect, (out.batch_size, expect, calls)
+    assert any(t.batch_size == out.batch_size and t.fits for t in out.trials)
+    assert len(calls) <= 8 and sum(not t.fits for t in out.trials) <= 2, calls
+
+
 def test_oom_by_exception_and_by_message():
     target = 8 * GiB
     fn = lambda b: GiB + b * 64 * MiB  # noqa: E731

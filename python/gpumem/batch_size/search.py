@@ -90,6 +90,7 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
     trials: List[Trial] = []
     ok: Dict[int, Trial] = {}
     measured: Dict[int, int] = {}  # b -> allocated peak, for every trial that ran
+    reserved: Dict[int, int] = {}  # b -> reserved peak, for the trials that reported one
 
     def run(b: int, phase: str) -> Trial:
         if len(trials) >= max_trials:
@@ -110,9 +111,12 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
                 m = _Measurement(int(m))
             peak = int(m.peak_bytes)
             secs = getattr(m, "seconds", None)
-            tr = Trial(b, "fits" if peak <= target else "over", peak, getattr(m, "reserved_bytes", None),
+            res = getattr(m, "reserved_bytes", None)
+            tr = Trial(b, "fits" if peak <= target else "over", peak, res,
                        clock() - t0 if secs is None else secs, phase, pred)
             measured[b] = peak
+            if res is not None:
+                reserved[b] = int(res)
         trials.append(tr)
         if tr.fits:
             ok[b] = tr
@@ -138,9 +142,15 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
             hi_bad = b
             break
         lo_ok = b
-        if measured[b] - measured[lo] >= min_delta or b >= hi:
+        grown = measured[b] - measured[lo]
+        if grown >= min_delta or b >= hi:
             break
-        b = min(hi, 4 * b)  # too flat to see a slope yet: grow
+        # too flat to see a slope yet: grow 4x, or up to 16x where the little growth seen so far
+        # says the limit is still far (45% of the way to where that slope would reach the target)
+        far = 4 * b
+        if grown > 0:
+            far = max(far, min(16 * b, int(0.45 * (b + (target - measured[b]) * (b - lo) / grown))))
+        b = min(hi, far)
 
     # one more probe about half way to the prediction gives a long baseline
     if hi_bad is None and lo_ok < hi:
@@ -158,15 +168,35 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
 
     probe_fit = _line(list(measured.items()))
 
-    # allowance for fragmentation in the first prediction: half the unconstrained
-    # reserved-minus-allocated overhead seen at the largest probe (capped)
+    # allowance for fragmentation in the first prediction when trials report no reserved peak
+    # to fit: half the unconstrained reserved-minus-allocated overhead seen at the largest probe
     frag = 0
     top = ok[lo_ok]
     if top.reserved_bytes is not None and top.peak_bytes is not None:
         frag = int(min(max(0, top.reserved_bytes - top.peak_bytes) / 2, 0.05 * target))
 
-    # -- 2. prove and refine
-    fails_in_row = 0
+    def limit_estimates(upper: int, first: bool) -> Tuple[int, int]:
+        """(optimistic, estimate): the largest size whose allocated peak stays within the target on
+        the line through the fitting trials (nothing beyond it can fit), and the best estimate of
+        the limit: the same for the reserved peak when every fitting trial reported one (reserved
+        memory is what the ballast leaves room for), else the allocated line, less ``frag`` for
+        the ``first`` guess (no trial near the limit has shown the overhead yet)."""
+        pts = [(bb, p) for bb, p in measured.items() if bb <= lo_ok or bb in ok]
+        fit = _line(pts)
+        optimistic = _predict(fit, target, upper)
+        rpts = [(bb, reserved[bb]) for bb, _ in pts if bb in reserved]
+        rfit = _line(rpts) if len(rpts) == len(pts) else None
+        if rfit is not None:
+            est = _predict(rfit, target, upper)
+        else:
+            est = _predict(fit, target - frag, upper) if first else optimistic
+        return optimistic, min(est, optimistic)
+
+    # -- 2. prove and refine.  Near the limit each trial is the dearest of the search, so the
+    # guesses aim at the estimated limit itself and then close the bracket around it in steps of
+    # the resolution (doubling while they keep landing on the same side), never bisecting a
+    # bracket that one step can close.
+    fails_in_row = fits_above = 0
     gallop = False
     phase = "prove"
     while True:
@@ -175,20 +205,22 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
             break
         if hi_bad is not None and hi_bad - lo_ok <= max(1, int(resolution * lo_ok)):
             break  # close enough: the sizes left differ by less than the resolution
-        pts = [(bb, p) for bb, p in measured.items() if bb <= lo_ok or bb in ok]
-        fit = _line(pts)
-
-        optimistic = _predict(fit, target, upper)  # allocated bytes alone: never fits beyond this
+        optimistic, est = limit_estimates(upper, phase == "prove")
         if optimistic <= lo_ok:
             break  # the allocated-bytes line already exceeds the target at lo_ok + 1
+        step = max(1, int(resolution * lo_ok))
+        aimed = False
         if hi_bad is None:
-            guess = _predict(fit, target - frag, upper) if phase == "prove" else optimistic
+            if est > lo_ok + step * (1 << fits_above) // 2:
+                guess, aimed = est, True
+            else:  # the estimate is behind us: walk up in growing steps
+                guess = lo_ok + step * (1 << fits_above)
             guess = min(max(guess, lo_ok + 1), upper)
         elif gallop:
-            # the first failure was near the model's line, so the limit is just below it:
-            # gallop down from it (1, 2, 4, ... steps) rather than bisect the whole bracket
-            step = max(1, int(resolution * hi_bad / 2))
-            guess = max(lo_ok + 1, min(optimistic, hi_bad - step * (1 << (fails_in_row - 1))))
+            # the failure was at the estimated limit, so the limit is just below it: gallop down
+            # from it (1, 2, 4, ... steps), never below the middle of the bracket
+            down = hi_bad - max(1, int(resolution * hi_bad / (1 + resolution))) * (1 << (fails_in_row - 1))
+            guess = max(lo_ok + 1, (lo_ok + hi_bad) // 2, min(optimistic, down))
         else:
             guess = max(lo_ok + 1, min(optimistic, (lo_ok + hi_bad) // 2))
         first_failure = hi_bad is None
@@ -196,10 +228,11 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
         phase = "refine"
         if t.fits:
             lo_ok, fails_in_row = guess, 0
+            fits_above = 0 if aimed else fits_above + 1
             gallop = False  # a bracket from real trials on both sides: bisect it
         else:
             if first_failure:
-                gallop = optimistic - guess <= max(2, guess // 10)
+                gallop = aimed or guess - lo_ok <= 2 * step
             hi_bad, fails_in_row = guess, fails_in_row + 1
 
     final_fit = _line([(bb, p) for bb, p in measured.items() if bb in ok]) or probe_fit

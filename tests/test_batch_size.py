@@ -50,9 +50,10 @@ def check(fn, target, limit=None, hi=1 << 16, max_trials=None, **kw):
     m = Curve(fn, target if limit is None else limit, **kw)
     out = _search(m, target, 1, hi)
     expect = true_max(fn, target, hi)
-    assert out.batch_size == expect, (out.batch_size, expect, m.calls)
-    # the returned size passed a real trial, and the one above it failed or is the bound
-    assert any(t.batch_size == expect and t.fits for t in out.trials)
+    # the largest size to within the default resolution (0.5 %: exact below 200)
+    assert expect - int(0.005 * expect) <= out.batch_size <= expect, (out.batch_size, expect, m.calls)
+    # the returned size passed a real trial
+    assert any(t.batch_size == out.batch_size and t.fits for t in out.trials)
     if max_trials is not None:
         assert len(out.trials) <= max_trials, m.calls
     return out, m
@@ -144,29 +145,33 @@ def test_resolution_near_a_limit_the_line_overshoots():
     assert len(out.trials) < len(out0.trials), (coarse.calls, exact.calls)
 
 
-@pytest.mark.parametrize("overhead,page", [(0.01, 2 * MiB), (0.017, 2 * MiB), (0.06, 2 * MiB), (0.005, 8 * MiB)])
-def test_reserved_overhead_aims_at_the_reserved_limit(overhead, page):
-    # what fits is the reserved peak (the ballast leaves the target for the allocator's pages), which runs
-    # ahead of the allocated one by the allocator's overhead: the search aims at the reserved line and
-    # closes the bracket in a step or two, where the allocated line alone overshoots and gallops down
+@pytest.mark.parametrize("overhead", [0.003, 0.006, 0.01, 0.02])
+@pytest.mark.parametrize("fixed,per_sample", [(0.24, 6.6), (0.11, 1.758), (0.2, 1.1)])
+def test_overhead_near_the_limit_costs_few_trials(fixed, per_sample, overhead):
+    # The GPU's picture (bert, gen and seqlen of bench/batch_size_bench.py): the allocated peaks lie on
+    # a line, but near the limit the allocator's pages need 0.3-2 % of the target on top of them (the
+    # gap between the largest fitting trial's peak and the target), and the reserved peaks of probes far
+    # from the limit are 25 % above the allocated ones (cached blocks the pool gives back under
+    # pressure). The search must find the limit to its resolution with at most 5 trials near it.
     target = int(3.14 * GiB)
 
-    def reserved(b):
-        return math.ceil((int(0.24 * GiB) + b * int(5.9 * MiB)) * (1 + overhead) / page) * page
+    def allocated(b):
+        return int(fixed * GiB) + b * int(per_sample * MiB)
 
     calls = []
 
     def measure(b):
         calls.append(b)
-        if reserved(b) > target:
+        if allocated(b) > target * (1 - overhead):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
-        return bs.results._Measurement(int(0.24 * GiB) + b * int(5.9 * MiB), reserved(b), None)
+        return bs.results._Measurement(allocated(b), int(1.25 * allocated(b)), None)
 
     out = _search(measure, target, 1, 1 << 16, resolution=0.0025)
-    expect = true_max(reserved, target)
-    assert expect * 0.9975 <= out.batch_size <= expect, (out.batch_size, expect, calls)
+    expect = true_max(lambda b: allocated(b) / (1 - overhead), target)
+    assert expect - int(0.0025 * expect) <= out.batch_size <= expect, (out.batch_size, expect, calls)
     assert any(t.batch_size == out.batch_size and t.fits for t in out.trials)
-    assert len(calls) <= 8 and sum(not t.fits for t in out.trials) <= 2, calls
+    near = [t for t in out.trials if t.phase != "probe"]
+    assert len(near) <= 5, calls
 
 
 def test_oom_by_exception_and_by_message():

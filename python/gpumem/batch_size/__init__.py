@@ -25,9 +25,9 @@ budget to spare, fragmentation, workspaces and optimizer-state creation included
 The search (:func:`_search`, pure and torch-free in its logic) measures peaks at a
 few small batch sizes, fits ``peak = fixed + per_sample * B``, predicts the largest
 size under the target, proves it with a trial and refines with a short bracketed
-search around the prediction (galloping down from a failure, bisecting a bracket,
-and stopping without a trial where the allocated-bytes line alone already exceeds
-the target).  Peaks are read through ``torch.cuda`` statistics, so it works with
+search around the prediction (a first guess that leaves the allocator's pages 1 % of the
+target, doubled after each failure, then bisection up to the size whose allocated bytes
+alone exceed the target).  Peaks are read through ``torch.cuda`` statistics, so it works with
 gpumem's allocator registered or with PyTorch's own.
 
 Nothing is left behind: parameters, buffers, optimizer state, gradients, the

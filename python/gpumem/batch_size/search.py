@@ -66,6 +66,12 @@ def _predict(fit: Optional[Tuple[float, float, int, int]], tgt: float, default: 
     return ab + math.floor((tgt - ap) / slope)
 
 
+# What the allocator's pages are expected to add to the allocated peak at the limit, as a fraction of the
+# target: where the search's first guess near the limit aims (on the GPU: 0.6-2 %, measured as the gap
+# between the largest fitting trial's allocated peak and the target on five workloads).
+OVERHEAD = 0.01
+
+
 def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1 << 16, *,
             log: Optional[Callable[[Trial], None]] = None, max_trials: int = 40,
             resolution: float = 0.005,
@@ -76,7 +82,7 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
     Near the limit every trial runs close to full memory and is the slowest of the search,
     so the refinement stops once the bracket between the largest fitting and the smallest
     failing size is at most ``resolution`` of the fitting size (always exact below 200 at
-    the default 0.5%), and its gallop down from a failure moves in steps of half of that.
+    the default 0.5%); its first guess there allows ``OVERHEAD`` for the allocator's pages.
 
     ``measure(b)`` runs a trial and returns its peak bytes (an ``int``, or an object
     with ``peak_bytes`` and optionally ``reserved_bytes`` / ``seconds``), or raises an
@@ -168,36 +174,14 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
 
     probe_fit = _line(list(measured.items()))
 
-    # allowance for fragmentation in the first prediction when trials report no reserved peak
-    # to fit: half the unconstrained reserved-minus-allocated overhead seen at the largest probe
-    frag = 0
-    top = ok[lo_ok]
-    if top.reserved_bytes is not None and top.peak_bytes is not None:
-        frag = int(min(max(0, top.reserved_bytes - top.peak_bytes) / 2, 0.05 * target))
-
-    def limit_estimates(upper: int, first: bool) -> Tuple[int, int]:
-        """(optimistic, estimate): the largest size whose allocated peak stays within the target on
-        the line through the fitting trials (nothing beyond it can fit), and the best estimate of
-        the limit: the same for the reserved peak when every fitting trial reported one (reserved
-        memory is what the ballast leaves room for), else the allocated line, less ``frag`` for
-        the ``first`` guess (no trial near the limit has shown the overhead yet)."""
-        pts = [(bb, p) for bb, p in measured.items() if bb <= lo_ok or bb in ok]
-        fit = _line(pts)
-        optimistic = _predict(fit, target, upper)
-        rpts = [(bb, reserved[bb]) for bb, _ in pts if bb in reserved]
-        rfit = _line(rpts) if len(rpts) == len(pts) else None
-        if rfit is not None:
-            est = _predict(rfit, target, upper)
-        else:
-            est = _predict(fit, target - frag, upper) if first else optimistic
-        return optimistic, min(est, optimistic)
-
-    # -- 2. prove and refine.  Near the limit each trial is the dearest of the search, so the
-    # guesses aim at the estimated limit itself and then close the bracket around it in steps of
-    # the resolution (doubling while they keep landing on the same side), never bisecting a
-    # bracket that one step can close.
-    fails_in_row = fits_above = 0
-    gallop = False
+    # -- 2. prove and refine.  The allocated peaks lie on the line, but what fits is bounded by the
+    # allocator's pages, which run ahead of the allocated bytes near the limit by an overhead no
+    # probe shows (fragmentation under pressure: 0.5-2 % of the target on the GPU; the reserved peak
+    # of a probe far from the limit holds cached blocks the pool would give back, so it says
+    # nothing).  The first guess assumes OVERHEAD, each failure doubles it; after a fit, bisection
+    # (a trial near the limit is the dearest of the search).
+    overhead = OVERHEAD * target
+    fails_in_row = past_line = 0
     phase = "prove"
     while True:
         upper = hi if hi_bad is None else hi_bad - 1
@@ -205,34 +189,32 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
             break
         if hi_bad is not None and hi_bad - lo_ok <= max(1, int(resolution * lo_ok)):
             break  # close enough: the sizes left differ by less than the resolution
-        optimistic, est = limit_estimates(upper, phase == "prove")
-        if optimistic <= lo_ok:
-            break  # the allocated-bytes line already exceeds the target at lo_ok + 1
+        fit = _line([(bb, p) for bb, p in measured.items() if bb <= lo_ok or bb in ok])
+        optimistic = _predict(fit, target, upper)  # allocated bytes alone: never fits beyond this
         step = max(1, int(resolution * lo_ok))
-        aimed = False
-        if hi_bad is None:
-            if est > lo_ok + step * (1 << fits_above) // 2:
-                guess, aimed = est, True
-            else:  # the estimate is behind us: walk up in growing steps
-                guess = lo_ok + step * (1 << fits_above)
-            guess = min(max(guess, lo_ok + 1), upper)
-        elif gallop:
-            # the failure was at the estimated limit, so the limit is just below it: gallop down
-            # from it (1, 2, 4, ... steps), never below the middle of the bracket
-            down = hi_bad - max(1, int(resolution * hi_bad / (1 + resolution))) * (1 << (fails_in_row - 1))
-            guess = max(lo_ok + 1, (lo_ok + hi_bad) // 2, min(optimistic, down))
-        else:
-            guess = max(lo_ok + 1, min(optimistic, (lo_ok + hi_bad) // 2))
-        first_failure = hi_bad is None
+        if optimistic <= lo_ok + step and hi_bad is None:
+            # the line puts the limit within a step: one real failure there ends the search (where
+            # the peaks rise in steps, a line through them cannot see the last flat part: then
+            # each fit beyond the line doubles the step)
+            guess = lo_ok + step * (1 << past_line)
+        elif optimistic <= lo_ok:
+            break  # the allocated-bytes line already exceeds the target at lo_ok + 1
+        elif phase == "prove" or fails_in_row:
+            # the first guess assumes OVERHEAD; each failure since doubles it (never below the
+            # middle of the bracket)
+            guess = _predict(fit, target - overhead * (1 << fails_in_row), upper)
+            if hi_bad is not None:
+                guess = max(guess, (lo_ok + hi_bad) // 2)
+        else:  # bisect, above a fit by the line's own bound (beyond it, the allocated bytes alone
+            # exceed the target)
+            guess = (lo_ok + (optimistic + 1 if hi_bad is None else hi_bad)) // 2
+        guess = min(max(guess, lo_ok + 1), upper, max(optimistic, lo_ok + step * (1 << past_line)))
         t = run(guess, phase)
         phase = "refine"
         if t.fits:
+            past_line = past_line + 1 if guess > optimistic else 0
             lo_ok, fails_in_row = guess, 0
-            fits_above = 0 if aimed else fits_above + 1
-            gallop = False  # a bracket from real trials on both sides: bisect it
         else:
-            if first_failure:
-                gallop = aimed or guess - lo_ok <= 2 * step
             hi_bad, fails_in_row = guess, fails_in_row + 1
 
     final_fit = _line([(bb, p) for bb, p in measured.items() if bb in ok]) or probe_fit

@@ -145,14 +145,15 @@ def test_resolution_near_a_limit_the_line_overshoots():
     assert len(out.trials) < len(out0.trials), (coarse.calls, exact.calls)
 
 
-@pytest.mark.parametrize("overhead", [0.003, 0.006, 0.01, 0.02])
+@pytest.mark.parametrize("overhead", [0.003, 0.006, 0.01, 0.02, 0.15])
 @pytest.mark.parametrize("fixed,per_sample", [(0.24, 6.6), (0.11, 1.758), (0.2, 1.1)])
 def test_overhead_near_the_limit_costs_few_trials(fixed, per_sample, overhead):
     # The GPU's picture (bert, gen and seqlen of bench/batch_size_bench.py): the allocated peaks lie on
     # a line, but near the limit the allocator's pages need 0.3-2 % of the target on top of them (the
     # gap between the largest fitting trial's peak and the target), and the reserved peaks of probes far
     # from the limit are 25 % above the allocated ones (cached blocks the pool gives back under
-    # pressure). The search must find the limit to its resolution with at most 5 trials near it.
+    # pressure); a small budget sees 15 % (GPU test of mode="generate"). The search must find the limit
+    # to its resolution with few trials near it.
     target = int(3.14 * GiB)
 
     def allocated(b):
@@ -171,7 +172,8 @@ def test_overhead_near_the_limit_costs_few_trials(fixed, per_sample, overhead):
     assert expect - int(0.0025 * expect) <= out.batch_size <= expect, (out.batch_size, expect, calls)
     assert any(t.batch_size == out.batch_size and t.fits for t in out.trials)
     near = [t for t in out.trials if t.phase != "probe"]
-    assert len(near) <= 5, calls
+    # each failure doubles the allowance (1, 2, 4, 8, 16 %) until a fit, then bisection
+    assert len(near) <= (5 if overhead <= 0.02 else 11), calls
 
 
 def test_oom_by_exception_and_by_message():

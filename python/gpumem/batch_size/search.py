@@ -182,6 +182,7 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
     # (a trial near the limit is the dearest of the search).
     overhead = OVERHEAD * target
     fails_in_row = past_line = 0
+    fit_near = False  # a prove or refine trial fitted: bisect from there on
     phase = "prove"
     while True:
         upper = hi if hi_bad is None else hi_bad - 1
@@ -199,9 +200,9 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
             guess = lo_ok + step * (1 << past_line)
         elif optimistic <= lo_ok:
             break  # the allocated-bytes line already exceeds the target at lo_ok + 1
-        elif phase == "prove" or fails_in_row:
-            # the first guess assumes OVERHEAD; each failure since doubles it (never below the
-            # middle of the bracket)
+        elif phase == "prove" or (fails_in_row and not fit_near):
+            # the first guess assumes OVERHEAD; each failure since doubles it, until a trial near
+            # the limit fits (never below the middle of the bracket)
             guess = _predict(fit, target - overhead * (1 << fails_in_row), upper)
             if hi_bad is not None:
                 guess = max(guess, (lo_ok + hi_bad) // 2)
@@ -213,7 +214,7 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
         phase = "refine"
         if t.fits:
             past_line = past_line + 1 if guess > optimistic else 0
-            lo_ok, fails_in_row = guess, 0
+            lo_ok, fails_in_row, fit_near = guess, 0, True
         else:
             hi_bad, fails_in_row = guess, fails_in_row + 1
 

@@ -5,8 +5,25 @@
 
 namespace gpumem {
 
-PageMap::PageMap(std::uintptr_t base, std::size_t bytes, std::size_t page)
-    : dense_end_(base), base_(base), page_(page), mapped_(bytes / page, 0) {}
+PageMap::PageMap(std::uintptr_t base, std::size_t bytes, std::size_t page, std::size_t group)
+    : dense_end_(base), base_(base), page_(page), group_(group ? group : 1), mapped_(bytes / page, 0),
+      coarse_(group_ > 1 ? bytes / page : 0, 0) {}
+
+PageRun PageMap::whole_units(PageRun run) const {
+  if (run.empty() || group_ == 1) return run;
+  if (coarse(run.first) && run.first % group_) run.first = std::min(run.end, (run.first / group_ + 1) * group_);
+  if (run.first < run.end && coarse(run.end - 1) && run.end % group_) run.end = std::max(run.first, run.end / group_ * group_);
+  return run;
+}
+
+PageRun PageMap::next_uniform_run(std::size_t from, std::size_t end) const {
+  PageRun run = next_mapped_run(from, end);
+  if (run.empty() || group_ == 1) return run;
+  const bool kind = coarse(run.first);
+  std::size_t last = run.first;
+  while (last < run.end && coarse(last) == kind) ++last;
+  return PageRun{run.first, last};
+}
 
 PageRun PageMap::inside(std::uintptr_t address, std::size_t bytes) const {
   const std::size_t first = (address - base_ + page_ - 1) / page_;
@@ -28,9 +45,12 @@ PageRun PageMap::next_run(std::size_t from, std::size_t end, std::uint8_t state)
   return PageRun{first, last};
 }
 
-void PageMap::mark_mapped(PageRun run) {
+void PageMap::mark_mapped(PageRun run, bool coarse) {
   std::fill(mapped_.begin() + static_cast<std::ptrdiff_t>(run.first),
             mapped_.begin() + static_cast<std::ptrdiff_t>(run.end), 1);
+  if (group_ > 1)
+    std::fill(coarse_.begin() + static_cast<std::ptrdiff_t>(run.first),
+              coarse_.begin() + static_cast<std::ptrdiff_t>(run.end), coarse ? 1 : 0);
   const std::size_t old_limit = mapped_limit_;
   holes_ -= std::min(run.end, old_limit) - std::min(run.first, old_limit);  // holes filled
   holes_ += run.first > old_limit ? run.first - old_limit : 0;              // gap left below
@@ -41,6 +61,9 @@ void PageMap::mark_mapped(PageRun run) {
 void PageMap::mark_unmapped(PageRun run) {
   std::fill(mapped_.begin() + static_cast<std::ptrdiff_t>(run.first),
             mapped_.begin() + static_cast<std::ptrdiff_t>(run.end), 0);
+  if (group_ > 1)
+    std::fill(coarse_.begin() + static_cast<std::ptrdiff_t>(run.first),
+              coarse_.begin() + static_cast<std::ptrdiff_t>(run.end), 0);
   holes_ += run.count();  // mapped pages always lie below mapped_limit
   update_dense_end();
 }
@@ -83,6 +106,20 @@ const char* PageMap::inconsistency() const {
     return "hole count disagrees with the page map";
   if (dense_end_ != (holes_ == 0 ? base_ + mapped_limit_ * page_ : base_))
     return "the fast path's mapped bound disagrees with mapped_limit and holes";
+  if (group_ > 1) {
+    if (coarse_.size() != mapped_.size() || mapped_.size() % group_) return "group flags do not fit the pages";
+    const std::size_t above = (mapped_limit_ + group_ - 1) / group_ * group_;  // groups wholly above the limit
+    if (std::find(coarse_.begin() + static_cast<std::ptrdiff_t>(above), coarse_.end(), 1) != coarse_.end())
+      return "a page above mapped_limit is flagged as part of a group unit";
+    for (std::size_t g = 0; g < mapped_limit_; g += group_) {  // none at or past it is mapped
+      std::size_t n = 0;
+      for (std::size_t p = g; p < g + group_; ++p) {
+        if (coarse_[p] && !mapped_[p]) return "an unmapped page is flagged as part of a group unit";
+        n += coarse_[p] != 0;
+      }
+      if (n != 0 && n != group_) return "a group unit is not whole";
+    }
+  }
   return nullptr;
 }
 

@@ -63,7 +63,9 @@ Pool::~Pool() {
           for (PageRun run = pages.next_mapped_run(0, pages.mapped_limit()); !run.empty();
                run = pages.next_mapped_run(run.end, pages.mapped_limit())) {
             notify(SegmentEvent::kSpanRemoved, pages.address_of(run.first), pages.bytes_of(run), arena->stream);
-            upstream_->unmap(pages.address_of(run.first), pages.bytes_of(run), pages.page());
+            for (PageRun units = pages.next_uniform_run(run.first, run.end); !units.empty();  // whole units
+                 units = pages.next_uniform_run(units.end, run.end))
+              upstream_->unmap(pages.address_of(units.first), pages.bytes_of(units), pages.unit_bytes(units.first));
           }
           upstream_->release_address_range(region->base, region->size);
         } else {
@@ -279,11 +281,15 @@ Pool::Region* Pool::add_paged_region(Arena& arena) {
   // Four times the device's memory in address space (address space costs nothing): a region never
   // needs a second range, and a large request still finds a contiguous range when free pages from
   // between live blocks are unmapped and mapped again elsewhere.
-  const std::size_t page = arena.small ? small_page_ : large_page_;
-  std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), page);
+  // Pages of the device's granularity; a large arena maps them in groups of large_page_ (one
+  // physical allocation each) while whole groups fit, single pages near the cap (ensure_mapped).
+  const std::size_t unit = arena.small ? small_page_ : large_page_;
+  std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), unit);
   std::uintptr_t base = upstream_->reserve_address_range(bytes);
   if (!base) return nullptr;
-  return add_region(arena, base, bytes, page);
+  Region* region = add_region(arena, base, bytes, page_size_);
+  region->pages = PageMap(base, bytes, page_size_, unit / page_size_);
+  return region;
 }
 
 // A new region of the arena, covered by one free block. `page` 0: a segment, wholly backed.
@@ -307,6 +313,12 @@ Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t by
 
 // Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
 // mapped and accounted as reserved; the caller returns the block to the free set.
+// Placement of physical memory (page_map.hpp, units): in a region with groups (a large arena's 8 MiB
+// pages), each group the block touches that is wholly unmapped is mapped whole, as one physical
+// allocation, when all of them fit without releasing anything (under the cap, the limit and the
+// high-water allowance); otherwise only the pages the block touches are mapped, one device page
+// each, so that near the cap a block reserves at most 2 MiB past its end instead of up to 8 MiB, and
+// the pages it pins can be given back one by one.
 bool Pool::ensure_mapped(Block* block) {
   Region* region = block->region;
   PageMap& pages = region->pages;
@@ -314,22 +326,59 @@ bool Pool::ensure_mapped(Block* block) {
   const PageRun touched = pages.touched(block->address, block->size);
   const std::size_t missing = pages.count_unmapped(touched);
   if (missing == 0) return true;
-  if (!make_room(missing * pages.page())) return false;
-  for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
-       run = pages.next_unmapped_run(run.end, touched.end)) {
+  const PageRun groups = pages.widened(touched);
+  const std::size_t group = pages.group();
+  bool whole_groups = false;
+  if (group > 1) {
+    // What mapping whole groups would reserve: wholly unmapped groups whole, and of a partly mapped
+    // group (mapped page by page earlier, near the cap) only the pages the block touches.
+    std::size_t coarse_pages = 0;
+    for (std::size_t g = groups.first; g < groups.end; g += group) {
+      const std::size_t n = pages.count_unmapped({g, g + group});
+      coarse_pages += n == group ? n : pages.count_unmapped({std::max(g, touched.first), std::min(g + group, touched.end)});
+    }
+    whole_groups = fits_without_release(coarse_pages * pages.page());
+    if (whole_groups && !make_room(coarse_pages * pages.page())) return false;
+  }
+  if (!whole_groups && !make_room(missing * pages.page())) return false;
+  auto map_run = [&](PageRun run, bool coarse) {
     const std::uintptr_t address = pages.address_of(run.first);
     const std::size_t bytes = pages.bytes_of(run);
+    const std::size_t unit = coarse ? pages.group() * pages.page() : pages.page();
     // The device says no: pages still draining hold memory it will have back; wait for them, oldest
     // first, before giving up.
-    while (!upstream_->map(address, bytes, pages.page())) {
+    while (!upstream_->map(address, bytes, unit)) {
       if (draining_.empty()) return false;
       reap_drained(/*wait_oldest=*/true);
     }
     stats_.num_device_alloc++;
-    pages.mark_mapped(run);
+    pages.mark_mapped(run, coarse);
     add_reserved(region, static_cast<std::int64_t>(bytes));
     notify(SegmentEvent::kMap, address, bytes, region->arena->stream);
     notify_mapped_run(region, run);
+    return true;
+  };
+  if (!whole_groups) {
+    for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
+         run = pages.next_unmapped_run(run.end, touched.end))
+      if (!map_run(run, false)) return false;
+    return true;
+  }
+  // Wholly unmapped groups in one call per run of them; the touched pages of partly mapped groups
+  // (mapped page by page earlier, near the cap) one by one.
+  for (std::size_t g = groups.first; g < groups.end;) {
+    if (pages.count_unmapped({g, g + group}) == group) {
+      std::size_t end = g + group;
+      while (end < groups.end && pages.count_unmapped({end, end + group}) == group) end += group;
+      if (!map_run({g, end}, true)) return false;
+      g = end;
+      continue;
+    }
+    const PageRun part{std::max(g, touched.first), std::min(g + group, touched.end)};
+    for (PageRun run = pages.next_unmapped_run(part.first, part.end); !run.empty();
+         run = pages.next_unmapped_run(run.end, part.end))
+      if (!map_run(run, false)) return false;
+    g += group;
   }
   return true;
 }

@@ -302,6 +302,9 @@ class Pool {
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);
   bool ensure_mapped(Block* block);
   bool make_room(std::size_t bytes);
+  // Whether `bytes` more reserved bytes fit under the cap, the limit and the high-water allowance
+  // without releasing anything (pool_release.cpp).
+  bool fits_without_release(std::size_t bytes) const;
   std::size_t release_cached(std::size_t target, bool rethrow = false);
   std::size_t release_cached_units(std::size_t target);
   std::size_t release_pages_of(Block* block, std::size_t target);

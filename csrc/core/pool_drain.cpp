@@ -49,7 +49,7 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     block->state = BlockInfo::kFree;
     const PageRun span = notify_unmapping_run(region, run);  // span trackers hear before the unmap
     try {
-      upstream_->unmap(block->address, block->size, pages.page());
+      upstream_->unmap(block->address, block->size, pages.unit_bytes(run.first));  // units of one size
     } catch (const UpstreamError&) {
       notify_unmapped_run(region, run, span, false);  // the span is whole again
       insert_free(block);  // the pages stay mapped: cached again, accounted as before

@@ -187,11 +187,34 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   Arena& arena = arena_for(stream, rounded <= kSmallLimit);
   Block* block = take_free_block(arena, rounded);
   if (!block) return 0;
-  block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
+  block = place(arena, block, rounded);
   block->requested = requested;
   block->last_requested = requested;
-  split(block, rounded);
   return commit_allocation(block, /*release_and_retry=*/false) ? block->address : 0;
+}
+
+// Where in `block` (free, out of the free index, larger than or equal to `rounded`) the allocation
+// goes; returns it, allocated and split to `rounded`. At the block's start, unless the block is a hole
+// between other blocks (not a region's free tail) whose start lies on unmapped pages (pages released
+// from between live blocks: the high-water policy, or near the cap) and whose end needs fewer of them
+// mapped: then at its end. A block placed so that it straddles the fewest unmapped pages maps less
+// and leaves the mapped pages it did not take free where they are (measured: 20% fewer upstream calls
+// with release:high_water on gpt_varlen, README). Costs one comparison on the fast path.
+Pool::Block* Pool::place(Arena& arena, Block* block, std::size_t rounded) {
+  const Region* region = block->region;
+  if (region->paged && block->next && block->size > rounded &&
+      !region->pages.below_mapped_limit(block->address, rounded)) {
+    const PageMap& pages = region->pages;
+    const std::uintptr_t end = block->address + block->size - rounded;
+    if (pages.count_unmapped(pages.touched(end, rounded)) <
+        pages.count_unmapped(pages.touched(block->address, rounded))) {
+      arena.free_blocks.insert(block);  // carve takes it out of the index again
+      return carve(block, end, rounded);
+    }
+  }
+  block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
+  split(block, rounded);
+  return block;
 }
 
 // Maps the pages of a block just taken out of the free set (state allocated, requested set, split to

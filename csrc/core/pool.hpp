@@ -6,8 +6,11 @@
 //    above; the last freed first among equal sizes): allocation takes the best fit and splits it;
 //    free coalesces with free neighbours of the same region.
 //  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range four times the device,
-//    whose pages (the upstream's 2 MiB granularity in small arenas, 8 MiB by default in large ones;
-//    one physical allocation each) are mapped when a block first needs them. Free pages anywhere in
+//    whose pages (the upstream's 2 MiB granularity) are mapped when a block first needs them: one
+//    physical allocation per page in small arenas; in large ones one per group of pages (8 MiB by
+//    default) while whole groups fit, and one per 2 MiB page within 1% of the cap, so that in the
+//    tight case a block pins no more than it touches (page_map.hpp: units). A block is placed in its
+//    free block where it needs the fewest unmapped pages (Pool::place). Free pages anywhere in
 //    it can be unmapped, so free memory in the middle of a region goes back to the device
 //    ("reserved" = mapped pages).
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
@@ -297,6 +300,7 @@ class Pool {
   }
   Arena& find_arena(StreamId stream, bool small);  // finds or adds it, and remembers it as the last
   Block* take_free_block(Arena& arena, std::size_t rounded);
+  Block* place(Arena& arena, Block* block, std::size_t rounded);
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);

@@ -60,7 +60,8 @@ class SimulatedDevice : public Upstream {
 
  private:
   bool inject_fault();
-  std::vector<std::uint8_t>& pages_of(std::uintptr_t address, std::size_t bytes, std::size_t* first);
+  struct Range;
+  Range& range_of(std::uintptr_t address, std::size_t bytes, std::size_t* first);
 
   UpstreamKind kind_;
   std::size_t capacity_;
@@ -68,7 +69,9 @@ class SimulatedDevice : public Upstream {
   std::size_t used_ = 0;
   std::uintptr_t next_address_;  // fake, never dereferenced; distinct across simulated devices
   std::map<std::uintptr_t, std::size_t> segments_;
-  struct Range { std::size_t bytes; std::vector<std::uint8_t> mapped; };
+  // mapped[p]: 0, or the pages of the physical allocation (the `page` of map) page p belongs to;
+  // unit_first[p]: that allocation's first page. unmap must name whole allocations, as on CUDA.
+  struct Range { std::size_t bytes; std::vector<std::uint32_t> mapped; std::vector<std::uint32_t> unit_first; };
   std::map<std::uintptr_t, Range> ranges_;
 
   struct StreamWork { std::uint64_t queued = 0, completed = 0; };

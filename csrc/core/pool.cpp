@@ -367,7 +367,7 @@ bool Pool::ensure_mapped(Block* block) {
   auto map_run = [&](PageRun run, bool coarse) {
     const std::uintptr_t address = pages.address_of(run.first);
     const std::size_t bytes = pages.bytes_of(run);
-    const std::size_t unit = coarse ? pages.group() * pages.page() : pages.page();
+    const std::size_t unit = coarse ? group * pages.page() : pages.page();
     // The device says no: pages still draining hold memory it will have back; wait for them, oldest
     // first, before giving up.
     while (!upstream_->map(address, bytes, unit)) {
@@ -381,28 +381,32 @@ bool Pool::ensure_mapped(Block* block) {
     notify_mapped_run(region, run);
     return true;
   };
-  if (!whole_groups) {
-    for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
-         run = pages.next_unmapped_run(run.end, touched.end))
-      if (!map_run(run, false)) return false;
-    return true;
-  }
   // Wholly unmapped groups in one call per run of them; the touched pages of partly mapped groups
   // (mapped page by page earlier, near the cap) one by one.
-  for (std::size_t g = groups.first; g < groups.end;) {
-    if (pages.count_unmapped({g, g + group}) == group) {
-      std::size_t end = g + group;
-      while (end < groups.end && pages.count_unmapped({end, end + group}) == group) end += group;
-      if (!map_run({g, end}, true)) return false;
-      g = end;
-      continue;
+  auto map_groups = [&] {
+    for (std::size_t g = groups.first; g < groups.end;) {
+      if (pages.count_unmapped({g, g + group}) == group) {
+        std::size_t end = g + group;
+        while (end < groups.end && pages.count_unmapped({end, end + group}) == group) end += group;
+        if (!map_run({g, end}, true)) return false;
+        g = end;
+        continue;
+      }
+      const PageRun part{std::max(g, touched.first), std::min(g + group, touched.end)};
+      for (PageRun run = pages.next_unmapped_run(part.first, part.end); !run.empty();
+           run = pages.next_unmapped_run(run.end, part.end))
+        if (!map_run(run, false)) return false;
+      g += group;
     }
-    const PageRun part{std::max(g, touched.first), std::min(g + group, touched.end)};
-    for (PageRun run = pages.next_unmapped_run(part.first, part.end); !run.empty();
-         run = pages.next_unmapped_run(run.end, part.end))
-      if (!map_run(run, false)) return false;
-    g += group;
-  }
+    return true;
+  };
+  if (whole_groups && map_groups()) return true;
+  // Single pages: near the cap, or the device refused a whole group (short of memory below the cap:
+  // other processes, or a cap above the device). What the block still needs, page by page.
+  if (whole_groups && !make_room(pages.count_unmapped(touched) * pages.page())) return false;
+  for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
+       run = pages.next_unmapped_run(run.end, touched.end))
+    if (!map_run(run, false)) return false;
   return true;
 }
 

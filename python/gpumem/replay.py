@@ -126,8 +126,8 @@ def min_capacity(
 
     Each step is a fresh replay (``options`` are ``replay``'s: upstream, page_size, release, ...) on a
     device of that capacity; a capped PyTorch run stops at its first OOM, so any OOM fails the step.
-    Capacities below P always fail (live bytes alone exceed them). The search starts from the peak
-    reserved of a replay on the default device, which passed. Bisection assumes the outcome is
+    Capacities below P always fail (live bytes alone exceed them); P itself is tried first. The
+    search starts from the peak reserved of a replay on the default device, which passed. Bisection assumes the outcome is
     monotone in the capacity; ``checks`` (fractions of P above the result) are replayed as well and
     ``non_monotone`` says whether any of them failed.
     """
@@ -147,6 +147,9 @@ def min_capacity(
         return passed[capacity]
 
     lo, hi = peak, max(base.peak_reserved_bytes, peak + 1)
+    if passes(lo):  # live bytes alone fill the device: nothing lower can pass
+        return MinCapacity(trace=str(trace), workload=base.workload, peak_live_bytes=peak, capacity_bytes=lo,
+                           ratio=1.0, failed_below=1.0, replays=2, non_monotone=False)
     while not passes(hi):  # the default device's peak reserved should pass; if not, widen
         lo, hi = hi, min(DEFAULT_CAPACITY, hi + (hi - peak) * 2 + (peak >> 7))
         if lo == DEFAULT_CAPACITY:

@@ -32,7 +32,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 2
     if args.min_capacity:
         if capacity is not None:
-            print("gpumem replay: --min-capacity searches the capacity itself; drop --capacity", file=sys.stderr)
+            print("gpumem replay: --min-capacity searches the capacity itself; drop --capacity",
+                  file=sys.stderr)
             return 2
         return _min_capacity(args, traces, page_size)
     refs = reference_ratios()
@@ -78,7 +79,8 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
         if not (args.json or args.quiet):
             print(f"{path}: searching the lowest capacity with 0 OOMs", file=sys.stderr)
         try:
-            results.append(min_capacity(path, upstream=args.upstream, page_size=page_size, release=args.release))
+            results.append(min_capacity(path, upstream=args.upstream, page_size=page_size,
+                                        release=args.release))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -89,7 +91,8 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
     page = (page_size or _C.DEFAULT_PAGE_SIZE) >> 20
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}, pages of {page} MiB: "
           f"lowest simulated device capacity with 0 OOMs")
-    header = f"{'trace':<14} {'peak live GiB':>13} {'min capacity GiB':>16} {'x peak live':>11} {'fails at':>9} {'replays':>7}"
+    header = (f"{'trace':<14} {'peak live GiB':>13} {'min capacity GiB':>16} {'x peak live':>11} "
+              f"{'fails at':>9} {'replays':>7}")
     print(header)
     print("-" * len(header))
     for m in results:

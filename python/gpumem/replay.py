@@ -127,14 +127,15 @@ def min_capacity(
     Each step is a fresh replay (``options`` are ``replay``'s: upstream, page_size, release, ...) on a
     device of that capacity; a capped PyTorch run stops at its first OOM, so any OOM fails the step.
     Capacities below P always fail (live bytes alone exceed them); P itself is tried first. The
-    search starts from the peak reserved of a replay on the default device, which passed. Bisection assumes the outcome is
-    monotone in the capacity; ``checks`` (fractions of P above the result) are replayed as well and
-    ``non_monotone`` says whether any of them failed.
+    search starts from the peak reserved of a replay on the default device, which passed.
+    Bisection assumes the outcome is monotone in the capacity; ``checks`` (fractions of P above the
+    result) are replayed as well and ``non_monotone`` says whether any of them failed.
     """
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
     if "capacity" in options or "limit" in options or "progress" in options:
-        raise ValueError("min_capacity chooses the capacity itself: pass neither capacity, limit nor progress")
+        raise ValueError("min_capacity chooses the capacity itself: pass neither capacity, limit "
+                         "nor progress")
     base = replay(trace, **options)
     if base.ooms:
         raise ValueError(f"{trace}: {base.ooms} OOMs even on the default {DEFAULT_CAPACITY >> 30} GiB device")

@@ -30,7 +30,7 @@ class PageMap {
   std::size_t page() const { return page_; }
   std::size_t group() const { return group_; }
   // Whether mapped page `p` belongs to a group unit (false for single-page units and unmapped pages).
-  bool coarse(std::size_t p) const { return group_ > 1 && coarse_[p] != 0; }
+  bool coarse(std::size_t p) const { return p < mapped_.size() && mapped_[p] == kCoarse; }
   // The bytes of the unit that holds mapped page `p`.
   std::size_t unit_bytes(std::size_t p) const { return coarse(p) ? group_ * page_ : page_; }
   // The groups [first / group, ...) that `run` touches, as pages: `run` widened to group boundaries.
@@ -41,10 +41,10 @@ class PageMap {
   PageRun whole_units(PageRun run) const;
   // The first run of mapped pages in [from, end) whose units are all of one size, as long as it goes.
   PageRun next_uniform_run(std::size_t from, std::size_t end) const;
-  std::size_t pages() const { return mapped_.size(); }
+  std::size_t pages() const { return pages_; }
   std::size_t mapped_limit() const { return mapped_limit_; }
   std::size_t holes() const { return holes_; }
-  bool mapped(std::size_t p) const { return mapped_[p] != 0; }
+  bool mapped(std::size_t p) const { return p < mapped_.size() && mapped_[p] != kUnmapped; }
   std::uintptr_t address_of(std::size_t p) const { return base_ + p * page_; }
   std::size_t bytes_of(PageRun run) const { return run.count() * page_; }
 
@@ -104,8 +104,11 @@ class PageMap {
   std::size_t group_ = 1;
   std::size_t mapped_limit_ = 0;  // no page at or past this index has ever been mapped
   std::size_t holes_ = 0;         // unmapped pages below mapped_limit
-  std::vector<std::uint8_t> mapped_;  // one flag per page
-  std::vector<std::uint8_t> coarse_;  // one flag per page when group_ > 1: mapped as part of a group
+  // One flag per page up to the highest page ever mapped (pages past it are unmapped): a region
+  // spans four times the device, and only what is used is allocated (and faulted in) on the host.
+  static constexpr std::uint8_t kUnmapped = 0, kSingle = 1, kCoarse = 2;  // kCoarse: part of a group unit
+  std::vector<std::uint8_t> mapped_;
+  std::size_t pages_ = 0;
 };
 
 }  // namespace gpumem

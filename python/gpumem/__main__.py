@@ -31,6 +31,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"gpumem replay: {e}", file=sys.stderr)
         return 2
     if args.min_capacity:
+        if not 0 < args.tolerance < 1:
+            print(f"gpumem replay: --tolerance {args.tolerance} is not a fraction in (0, 1)", file=sys.stderr)
+            return 2
         if capacity is not None:
             print("gpumem replay: --min-capacity searches the capacity itself; drop --capacity",
                   file=sys.stderr)
@@ -79,8 +82,8 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
         if not (args.json or args.quiet):
             print(f"{path}: searching the lowest capacity with 0 OOMs", file=sys.stderr)
         try:
-            results.append(min_capacity(path, upstream=args.upstream, page_size=page_size,
-                                        release=args.release))
+            results.append(min_capacity(path, tolerance=args.tolerance, upstream=args.upstream,
+                                        page_size=page_size, release=args.release))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -99,8 +102,8 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
         note = "  (not monotone in the capacity: a higher one failed)" if m.non_monotone else ""
         print(f"{m.workload:<14} {_gib(m.peak_live_bytes):>13} {_gib(m.capacity_bytes):>16} {m.ratio:>11.4f} "
               f"{m.failed_below:>9.4f} {m.replays:>7}{note}")
-    print("\nx peak live = min capacity / peak live bytes, bisected to 0.25% of peak live; fails at = the "
-          "highest capacity tried below it that had an OOM.")
+    print(f"\nx peak live = min capacity / peak live bytes, bisected to {100 * args.tolerance:g}% of peak live; "
+          "fails at = the highest capacity tried below it that had an OOM.")
     return 0
 
 
@@ -163,7 +166,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="release policy (default lazy, gpumem's default)")
     p.add_argument("--min-capacity", action="store_true",
                    help="instead: the lowest simulated capacity at which each trace replays with 0 OOMs, "
-                        "as a multiple of its peak live bytes (bisected to 0.25%%)")
+                        "as a multiple of its peak live bytes (bisected to --tolerance)")
+    p.add_argument("--tolerance", type=float, default=0.0025, metavar="FRACTION",
+                   help="--min-capacity's resolution, a fraction of peak live bytes (default 0.0025)")
     p.add_argument("--json", action="store_true", help="one JSON line per trace")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_replay, subparser=p)

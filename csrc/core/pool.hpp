@@ -33,7 +33,8 @@
 // Where the code is (one concept per file):
 //   pool.hpp                 this class, its options and what it reports (BlockInfo, RegionInfo)
 //   pool.cpp                 construction and teardown, allocate / free / record_stream and pending
-//                            events, arenas and regions, mapping a block's pages, split and merge
+//                            events, arenas and regions, split and merge
+//   pool_map.cpp             placing a block in its free block, mapping its pages (units), span events
 //   pool_allocate_at.cpp     allocate_at: a block carved at a given address
 //   pool_release.cpp         giving memory back: make_room, release_cached, trim, the cap and limit
 //   pool_drain.cpp           draining pages: released pages unmapped once their stream's event completed
@@ -337,7 +338,7 @@ class Pool {
     const std::size_t limit = budget_->limit();
     return cap < limit ? cap : limit;
   }
-  // Span events around a map or an unmap of `run` in `region` (pool_release.cpp).
+  // Span events around a map or an unmap of `run` in `region` (pool_map.cpp).
   void notify_mapped_run(const Region* region, PageRun run);
   PageRun notify_unmapping_run(const Region* region, PageRun run);
   void notify_unmapped_run(const Region* region, PageRun run, PageRun span, bool unmapped);

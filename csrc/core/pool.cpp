@@ -141,9 +141,13 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     GPUMEM_VALIDATE_ON_RETURN();
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
-    // First fallback: everything cached goes back to the device, then try again.
+    // First fallback: everything cached goes back to the device, then try again. Nothing else can
+    // serve this request: wait for the pages still draining, so that they are free blocks again,
+    // merged with their neighbours, when the retry picks a block (a block picked beside a draining
+    // one may need more pages than the same space merged).
     stats_.num_alloc_retries++;
     release_cached(std::numeric_limits<std::size_t>::max());
+    drain_all();
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
   }
   // Second fallback: the callbacks (gc.collect() from Python) may free blocks; they re-enter free(),
@@ -158,6 +162,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     GPUMEM_VALIDATE_ON_RETURN();
     release_cached(std::numeric_limits<std::size_t>::max());
+    drain_all();
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
   }
   std::lock_guard<std::mutex> lock(mutex_);

@@ -102,8 +102,8 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
         note = "  (not monotone in the capacity: a higher one failed)" if m.non_monotone else ""
         print(f"{m.workload:<14} {_gib(m.peak_live_bytes):>13} {_gib(m.capacity_bytes):>16} {m.ratio:>11.4f} "
               f"{m.failed_below:>9.4f} {m.replays:>7}{note}")
-    print(f"\nx peak live = min capacity / peak live bytes, bisected to {100 * args.tolerance:g}% of peak live; "
-          "fails at = the highest capacity tried below it that had an OOM.")
+    print(f"\nx peak live = min capacity / peak live bytes, bisected to {100 * args.tolerance:g}% of peak "
+          "live; fails at = the highest capacity tried below it that had an OOM.")
     return 0
 
 

@@ -22,7 +22,8 @@
 //  - Releasing pages never synchronises the device (pool_drain.cpp): the pages are carved out of their
 //    free block as a "draining" block, tagged with an event recorded on the arena's stream, and
 //    unmapped once that event has completed (polled). Only an allocation that nothing else can serve
-//    waits, and then for the oldest draining event first.
+//    waits, and then for the oldest draining event first (for all of them before its out-of-memory
+//    retry, so that the retry sees the released space as merged free blocks).
 //  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.

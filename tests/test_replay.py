@@ -106,3 +106,48 @@ def test_truncated_gzip_is_reported(tmp_path):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="cut.trace.gz"):
         gpumem.replay(path)
+
+
+def test_min_capacity_is_the_lowest_capacity_with_no_oom():
+    """The tight case on the CPU: the bracket [failed_below, ratio] holds the edge, within the tolerance;
+    the capacity found replays with 0 OOMs and the one below it does not; a pool limit on a full-size
+    device (what set_per_process_memory_fraction sets on a GPU) agrees with the capacity."""
+    from gpumem.replay import min_capacity
+
+    path = bundled_traces()[1]
+    m = min_capacity(path)
+    peak = m.peak_live_bytes
+    assert m.workload == "resnet50" and not m.non_monotone
+    assert 1.0 <= m.failed_below < m.ratio <= 1.01  # the issue's target: 0 OOMs at <= 1.01x peak live
+    assert (m.ratio - m.failed_below) <= 0.0025 + 1e-9
+    assert m.capacity_bytes == round(m.ratio * peak)
+    assert gpumem.replay(path, capacity=m.capacity_bytes).ooms == 0
+    below = int(m.failed_below * peak)
+    assert gpumem.replay(path, capacity=below).ooms > 0
+    assert gpumem.replay(path, limit=m.capacity_bytes).ooms == 0
+    assert gpumem.replay(path, limit=below).ooms > 0
+    # A finer tolerance narrows the bracket around the same edge.
+    fine = min_capacity(path, tolerance=0.0005)
+    assert fine.ratio - fine.failed_below <= 0.0005 + 1e-9
+    assert m.failed_below <= fine.failed_below and fine.ratio <= m.ratio
+
+
+def test_min_capacity_refuses_what_it_chooses_itself():
+    from gpumem.replay import min_capacity
+
+    with pytest.raises(ValueError, match="tolerance"):
+        min_capacity(bundled_traces()[1], tolerance=0)
+    with pytest.raises(ValueError, match="chooses the capacity"):
+        min_capacity(bundled_traces()[1], capacity=1 << 30)
+
+
+def test_cli_min_capacity_table_json_and_refusal():
+    r = run_cli("replay", "--min-capacity", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "min capacity GiB" in r.stdout and "gpt_varlen" in r.stdout and "resnet50" in r.stdout
+    r = run_cli("replay", "--min-capacity", "--json", "--page-size", "2MiB", str(bundled_traces()[0]))
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["workload"] == "gpt_varlen" and 1.0 < row["ratio"] <= 1.01 and row["replays"] > 2
+    r = run_cli("replay", "--min-capacity", "--capacity", "20GiB")
+    assert r.returncode == 2 and "drop --capacity" in r.stderr

@@ -23,14 +23,28 @@ struct PageRun {
 class PageMap {
  public:
   PageMap() = default;  // no pages (a region of segments)
-  // `bytes` pages of `page` bytes each from `base`, none mapped. `page` > 0 divides `bytes`.
-  PageMap(std::uintptr_t base, std::size_t bytes, std::size_t page);
+  // `bytes` pages of `page` bytes each from `base`, none mapped; groups of `group` pages (>= 1).
+  // `page` > 0 and `group * page` divide `bytes`.
+  PageMap(std::uintptr_t base, std::size_t bytes, std::size_t page, std::size_t group = 1);
 
   std::size_t page() const { return page_; }
-  std::size_t pages() const { return mapped_.size(); }
+  std::size_t group() const { return group_; }
+  // Whether mapped page `p` belongs to a group unit (false for single-page units and unmapped pages).
+  bool coarse(std::size_t p) const { return p < mapped_.size() && mapped_[p] == kCoarse; }
+  // The bytes of the unit that holds mapped page `p`.
+  std::size_t unit_bytes(std::size_t p) const { return coarse(p) ? group_ * page_ : page_; }
+  // The groups [first / group, ...) that `run` touches, as pages: `run` widened to group boundaries.
+  PageRun widened(PageRun run) const {
+    return PageRun{run.first / group_ * group_, (run.end + group_ - 1) / group_ * group_};
+  }
+  // `run` (mapped pages) narrowed to whole units: a group unit it holds only part of is left out.
+  PageRun whole_units(PageRun run) const;
+  // The first run of mapped pages in [from, end) whose units are all of one size, as long as it goes.
+  PageRun next_uniform_run(std::size_t from, std::size_t end) const;
+  std::size_t pages() const { return pages_; }
   std::size_t mapped_limit() const { return mapped_limit_; }
   std::size_t holes() const { return holes_; }
-  bool mapped(std::size_t p) const { return mapped_[p] != 0; }
+  bool mapped(std::size_t p) const { return p < mapped_.size() && mapped_[p] != kUnmapped; }
   std::uintptr_t address_of(std::size_t p) const { return base_ + p * page_; }
   std::size_t bytes_of(PageRun run) const { return run.count() * page_; }
 
@@ -64,7 +78,8 @@ class PageMap {
   // Records that the pages of `run`, all unmapped, are now mapped: holes below mapped_limit are
   // filled, the pages skipped between mapped_limit and the run become holes, and mapped_limit moves
   // to the run's end if it lies beyond.
-  void mark_mapped(PageRun run);
+  // `coarse`: the run is whole groups, mapped as group units.
+  void mark_mapped(PageRun run, bool coarse = false);
   // Records that the pages of `run`, all mapped (so below mapped_limit), are unmapped: holes now.
   void mark_unmapped(PageRun run);
 
@@ -86,9 +101,14 @@ class PageMap {
   std::uintptr_t dense_end_ = 0;  // base + mapped_limit * page while there are no holes, else base
   std::uintptr_t base_ = 0;
   std::size_t page_ = 0;
+  std::size_t group_ = 1;
   std::size_t mapped_limit_ = 0;  // no page at or past this index has ever been mapped
   std::size_t holes_ = 0;         // unmapped pages below mapped_limit
-  std::vector<std::uint8_t> mapped_;  // one flag per page
+  // One flag per page up to the highest page ever mapped (pages past it are unmapped): a region
+  // spans four times the device, and only what is used is allocated (and faulted in) on the host.
+  static constexpr std::uint8_t kUnmapped = 0, kSingle = 1, kCoarse = 2;  // kCoarse: part of a group unit
+  std::vector<std::uint8_t> mapped_;
+  std::size_t pages_ = 0;
 };
 
 }  // namespace gpumem

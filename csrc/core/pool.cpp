@@ -1,6 +1,6 @@
 // Pool's allocation and free paths: construction and teardown, allocate / free / record_stream and the
-// pending events of cross-stream frees, arenas and their regions, mapping a block's pages (the page
-// map's bookkeeping is PageMap's, page_map.hpp), split and merge. Releasing memory is in
+// pending events of cross-stream frees, arenas and their regions, split and merge. Where a block goes
+// in its free block and mapping its pages are in pool_map.cpp. Releasing memory is in
 // pool_release.cpp, the read-only views in pool_introspection.cpp (pool.hpp lists every file).
 #include <algorithm>
 #include <cinttypes>
@@ -63,7 +63,9 @@ Pool::~Pool() {
           for (PageRun run = pages.next_mapped_run(0, pages.mapped_limit()); !run.empty();
                run = pages.next_mapped_run(run.end, pages.mapped_limit())) {
             notify(SegmentEvent::kSpanRemoved, pages.address_of(run.first), pages.bytes_of(run), arena->stream);
-            upstream_->unmap(pages.address_of(run.first), pages.bytes_of(run), pages.page());
+            for (PageRun units = pages.next_uniform_run(run.first, run.end); !units.empty();  // whole units
+                 units = pages.next_uniform_run(units.end, run.end))
+              upstream_->unmap(pages.address_of(units.first), pages.bytes_of(units), pages.unit_bytes(units.first));
           }
           upstream_->release_address_range(region->base, region->size);
         } else {
@@ -139,9 +141,13 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     GPUMEM_VALIDATE_ON_RETURN();
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
-    // First fallback: everything cached goes back to the device, then try again.
+    // First fallback: everything cached goes back to the device, then try again. Nothing else can
+    // serve this request: wait for the pages still draining, so that they are free blocks again,
+    // merged with their neighbours, when the retry picks a block (a block picked beside a draining
+    // one may need more pages than the same space merged).
     stats_.num_alloc_retries++;
     release_cached(std::numeric_limits<std::size_t>::max());
+    drain_all();
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
   }
   // Second fallback: the callbacks (gc.collect() from Python) may free blocks; they re-enter free(),
@@ -156,6 +162,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     GPUMEM_VALIDATE_ON_RETURN();
     release_cached(std::numeric_limits<std::size_t>::max());
+    drain_all();
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -185,10 +192,9 @@ std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, St
   Arena& arena = arena_for(stream, rounded <= kSmallLimit);
   Block* block = take_free_block(arena, rounded);
   if (!block) return 0;
-  block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
+  block = place(arena, block, rounded);
   block->requested = requested;
   block->last_requested = requested;
-  split(block, rounded);
   return commit_allocation(block, /*release_and_retry=*/false) ? block->address : 0;
 }
 
@@ -279,11 +285,15 @@ Pool::Region* Pool::add_paged_region(Arena& arena) {
   // Four times the device's memory in address space (address space costs nothing): a region never
   // needs a second range, and a large request still finds a contiguous range when free pages from
   // between live blocks are unmapped and mapped again elsewhere.
-  const std::size_t page = arena.small ? small_page_ : large_page_;
-  std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), page);
+  // Pages of the device's granularity; a large arena maps them in groups of large_page_ (one
+  // physical allocation each) while whole groups fit, single pages near the cap (ensure_mapped).
+  const std::size_t unit = arena.small ? small_page_ : large_page_;
+  std::size_t bytes = round_up(4 * upstream_->device_total_bytes(), unit);
   std::uintptr_t base = upstream_->reserve_address_range(bytes);
   if (!base) return nullptr;
-  return add_region(arena, base, bytes, page);
+  Region* region = add_region(arena, base, bytes, page_size_);
+  region->pages = PageMap(base, bytes, page_size_, unit / page_size_);
+  return region;
 }
 
 // A new region of the arena, covered by one free block. `page` 0: a segment, wholly backed.
@@ -303,73 +313,6 @@ Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t by
   arena.regions.push_back(std::move(region));
   insert_free(b);
   return r;
-}
-
-// Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
-// mapped and accounted as reserved; the caller returns the block to the free set.
-bool Pool::ensure_mapped(Block* block) {
-  Region* region = block->region;
-  PageMap& pages = region->pages;
-  if (pages.below_mapped_limit(block->address, block->size)) return true;
-  const PageRun touched = pages.touched(block->address, block->size);
-  const std::size_t missing = pages.count_unmapped(touched);
-  if (missing == 0) return true;
-  if (!make_room(missing * pages.page())) return false;
-  for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
-       run = pages.next_unmapped_run(run.end, touched.end)) {
-    const std::uintptr_t address = pages.address_of(run.first);
-    const std::size_t bytes = pages.bytes_of(run);
-    // The device says no: pages still draining hold memory it will have back; wait for them, oldest
-    // first, before giving up.
-    while (!upstream_->map(address, bytes, pages.page())) {
-      if (draining_.empty()) return false;
-      reap_drained(/*wait_oldest=*/true);
-    }
-    stats_.num_device_alloc++;
-    pages.mark_mapped(run);
-    add_reserved(region, static_cast<std::int64_t>(bytes));
-    notify(SegmentEvent::kMap, address, bytes, region->arena->stream);
-    notify_mapped_run(region, run);
-  }
-  return true;
-}
-
-// Span events (see SegmentEvent). Computed only for an observer: each walks the pages either side.
-// A map of `run` joins the spans either side of it: those go, the joined one comes.
-void Pool::notify_mapped_run(const Region* region, PageRun run) {
-  if (!observer_) return;
-  const PageMap& pages = region->pages;
-  const StreamId stream = region->arena->stream;
-  const PageRun span = pages.mapped_run_around(run);
-  if (span.first < run.first)
-    notify(SegmentEvent::kSpanRemoved, pages.address_of(span.first), pages.bytes_of({span.first, run.first}), stream);
-  if (run.end < span.end)
-    notify(SegmentEvent::kSpanRemoved, pages.address_of(run.end), pages.bytes_of({run.end, span.end}), stream);
-  notify(SegmentEvent::kSpanAdded, pages.address_of(span.first), pages.bytes_of(span), stream);
-}
-
-// Before the (mapped) pages of `run` are unmapped, the span holding them goes; returns that span.
-PageRun Pool::notify_unmapping_run(const Region* region, PageRun run) {
-  if (!observer_) return run;
-  const PageMap& pages = region->pages;
-  const PageRun span = pages.mapped_run_around(run);
-  notify(SegmentEvent::kSpanRemoved, pages.address_of(span.first), pages.bytes_of(span), region->arena->stream);
-  return span;
-}
-
-// After: what is left of the span either side comes back, or all of it when the unmap failed.
-void Pool::notify_unmapped_run(const Region* region, PageRun run, PageRun span, bool unmapped) {
-  if (!observer_) return;
-  const PageMap& pages = region->pages;
-  const StreamId stream = region->arena->stream;
-  if (!unmapped) {
-    notify(SegmentEvent::kSpanAdded, pages.address_of(span.first), pages.bytes_of(span), stream);
-    return;
-  }
-  if (span.first < run.first)
-    notify(SegmentEvent::kSpanAdded, pages.address_of(span.first), pages.bytes_of({span.first, run.first}), stream);
-  if (run.end < span.end)
-    notify(SegmentEvent::kSpanAdded, pages.address_of(run.end), pages.bytes_of({run.end, span.end}), stream);
 }
 
 void Pool::split(Block* block, std::size_t size) {

@@ -6,8 +6,11 @@
 //    above; the last freed first among equal sizes): allocation takes the best fit and splits it;
 //    free coalesces with free neighbours of the same region.
 //  - On a paged upstream (CUDA VMM) an arena has one region: a virtual range four times the device,
-//    whose pages (the upstream's 2 MiB granularity in small arenas, 8 MiB by default in large ones;
-//    one physical allocation each) are mapped when a block first needs them. Free pages anywhere in
+//    whose pages (the upstream's 2 MiB granularity) are mapped when a block first needs them: one
+//    physical allocation per page in small arenas; in large ones one per group of pages (8 MiB by
+//    default) while whole groups fit, and one per 2 MiB page within 1% of the cap, so that in the
+//    tight case a block pins no more than it touches (page_map.hpp: units). A block is placed in its
+//    free block where it needs the fewest unmapped pages (Pool::place). Free pages anywhere in
 //    it can be unmapped, so free memory in the middle of a region goes back to the device
 //    ("reserved" = mapped pages).
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
@@ -19,7 +22,8 @@
 //  - Releasing pages never synchronises the device (pool_drain.cpp): the pages are carved out of their
 //    free block as a "draining" block, tagged with an event recorded on the arena's stream, and
 //    unmapped once that event has completed (polled). Only an allocation that nothing else can serve
-//    waits, and then for the oldest draining event first.
+//    waits, and then for the oldest draining event first (for all of them before its out-of-memory
+//    retry, so that the retry sees the released space as merged free blocks).
 //  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.
@@ -30,7 +34,8 @@
 // Where the code is (one concept per file):
 //   pool.hpp                 this class, its options and what it reports (BlockInfo, RegionInfo)
 //   pool.cpp                 construction and teardown, allocate / free / record_stream and pending
-//                            events, arenas and regions, mapping a block's pages, split and merge
+//                            events, arenas and regions, split and merge
+//   pool_map.cpp             placing a block in its free block, mapping its pages (units), span events
 //   pool_allocate_at.cpp     allocate_at: a block carved at a given address
 //   pool_release.cpp         giving memory back: make_room, release_cached, trim, the cap and limit
 //   pool_drain.cpp           draining pages: released pages unmapped once their stream's event completed
@@ -297,11 +302,15 @@ class Pool {
   }
   Arena& find_arena(StreamId stream, bool small);  // finds or adds it, and remembers it as the last
   Block* take_free_block(Arena& arena, std::size_t rounded);
+  Block* place(Arena& arena, Block* block, std::size_t rounded);
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);
   bool ensure_mapped(Block* block);
   bool make_room(std::size_t bytes);
+  // Whether `bytes` more reserved bytes fit under the cap, the limit and the high-water allowance
+  // without releasing anything (pool_release.cpp).
+  bool fits_without_release(std::size_t bytes) const;
   std::size_t release_cached(std::size_t target, bool rethrow = false);
   std::size_t release_cached_units(std::size_t target);
   std::size_t release_pages_of(Block* block, std::size_t target);
@@ -330,7 +339,7 @@ class Pool {
     const std::size_t limit = budget_->limit();
     return cap < limit ? cap : limit;
   }
-  // Span events around a map or an unmap of `run` in `region` (pool_release.cpp).
+  // Span events around a map or an unmap of `run` in `region` (pool_map.cpp).
   void notify_mapped_run(const Region* region, PageRun run);
   PageRun notify_unmapping_run(const Region* region, PageRun run);
   void notify_unmapped_run(const Region* region, PageRun run, PageRun span, bool unmapped);

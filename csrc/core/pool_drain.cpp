@@ -6,7 +6,8 @@
 // them once the event has completed, which it only ever polls (reap_drained). Until then the pages
 // stay mapped and count as reserved, so the cap, the limit and the statistics stay exact. Only an
 // allocation that nothing else can serve (make_room under the cap or the limit, a map the device
-// refuses) waits, oldest event first, one at a time. pool.hpp lists every file.
+// refuses) waits, oldest event first, one at a time; allocate()'s out-of-memory retry waits for all
+// (drain_all). pool.hpp lists every file.
 #include "pool.hpp"
 
 namespace gpumem {
@@ -49,7 +50,7 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     block->state = BlockInfo::kFree;
     const PageRun span = notify_unmapping_run(region, run);  // span trackers hear before the unmap
     try {
-      upstream_->unmap(block->address, block->size, pages.page());
+      upstream_->unmap(block->address, block->size, pages.unit_bytes(run.first));  // units of one size
     } catch (const UpstreamError&) {
       notify_unmapped_run(region, run, span, false);  // the span is whole again
       insert_free(block);  // the pages stay mapped: cached again, accounted as before

@@ -60,6 +60,9 @@ void Pool::validate_locked() const {
               region->pages.address_of(whole.first) != b->address)
             fail("draining block is not whole pages");
           if (region->pages.count_unmapped(whole)) fail("draining block on an unmapped page");
+          if (region->pages.whole_units(whole).count() != whole.count() ||
+              region->pages.next_uniform_run(whole.first, whole.end).end != whole.end)
+            fail("draining block is not whole units of one size");
           if (arena->free_blocks.contains(b)) fail("draining block in the free index");
           if (live_.find(b->address)) fail("draining block in the address map");
           if (b->requested || !b->extra_streams.empty() || b->pending_events)

@@ -73,21 +73,21 @@ std::uintptr_t SimulatedDevice::reserve_address_range(std::size_t bytes) {
   bytes = round_up(bytes, page_size_);
   std::uintptr_t address = round_up(next_address_, page_size_);  // ranges start on a page, as on CUDA
   next_address_ = address + bytes + page_size_;  // a guard gap, so neighbouring ranges never touch
-  ranges_[address] = Range{bytes, std::vector<std::uint8_t>(bytes / page_size_, 0)};
+  ranges_[address] = Range{bytes, {}};
   return address;
 }
 
 void SimulatedDevice::release_address_range(std::uintptr_t address, std::size_t bytes) {
   auto it = ranges_.find(address);
   if (it == ranges_.end()) throw std::logic_error("simulated device: release of an unknown range");
-  for (std::uint8_t m : it->second.mapped)
+  for (std::uint16_t m : it->second.mapped)
     if (m) throw std::logic_error("simulated device: address range released with pages still mapped");
   (void)bytes;
   ranges_.erase(it);
 }
 
-std::vector<std::uint8_t>& SimulatedDevice::pages_of(std::uintptr_t address, std::size_t bytes,
-                                                      std::size_t* first) {
+SimulatedDevice::Range& SimulatedDevice::range_of(std::uintptr_t address, std::size_t bytes,
+                                                  std::size_t* first) {
   auto it = ranges_.upper_bound(address);
   if (it == ranges_.begin()) throw std::logic_error("simulated device: address outside every range");
   --it;
@@ -95,19 +95,22 @@ std::vector<std::uint8_t>& SimulatedDevice::pages_of(std::uintptr_t address, std
       address + bytes > it->first + it->second.bytes)
     throw std::logic_error("simulated device: map/unmap of a range not page-aligned or not reserved");
   *first = (address - it->first) / page_size_;
-  return it->second.mapped;
+  return it->second;
 }
 
 bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes, std::size_t page) {
   if (kind_ != UpstreamKind::kPages) return Upstream::map(address, bytes, page);
-  if (page == 0 || page % page_size_ || bytes % page)
+  if (page == 0 || page % page_size_ || bytes % page || page / page_size_ >= kMember)
     throw std::logic_error("simulated device: map with a page that does not divide the range");
   std::size_t first;
-  auto& mapped = pages_of(address, bytes, &first);
-  for (std::size_t p = first; p < first + bytes / page_size_; ++p)
+  auto& mapped = range_of(address, bytes, &first).mapped;
+  const std::size_t end = first + bytes / page_size_, unit = page / page_size_;
+  for (std::size_t p = first; p < std::min(end, mapped.size()); ++p)
     if (mapped[p]) throw std::logic_error("simulated device: page mapped twice");
   if (inject_fault() || used_ + bytes > capacity_) return false;
-  for (std::size_t p = first; p < first + bytes / page_size_; ++p) mapped[p] = 1;
+  if (mapped.size() < end) mapped.resize(end, 0);
+  for (std::size_t p = first; p < end; ++p)
+    mapped[p] = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
   used_ += bytes;
   return true;
 }
@@ -116,14 +119,21 @@ void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes, std::size
   if (page == 0 || page % page_size_ || bytes % page)
     throw std::logic_error("simulated device: unmap with a page that does not divide the range");
   std::size_t first;
-  auto& mapped = pages_of(address, bytes, &first);
-  for (std::size_t p = first; p < first + bytes / page_size_; ++p)
+  auto& mapped = range_of(address, bytes, &first).mapped;
+  const std::size_t end = first + bytes / page_size_, unit = page / page_size_;
+  if (end > mapped.size()) throw std::logic_error("simulated device: unmap of a page that is not mapped");
+  for (std::size_t p = first; p < end; ++p) {
     if (!mapped[p]) throw std::logic_error("simulated device: unmap of a page that is not mapped");
+    // CUDA unmaps and releases whole physical allocations: the range must be made of them exactly.
+    const std::uint16_t expect = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
+    if (mapped[p] != expect || (p + 1 == end && p + 1 < mapped.size() && mapped[p + 1] == kMember))
+      throw std::logic_error("simulated device: unmap of part of a physical allocation, or with another page size");
+  }
   if (faults_.fail_unmap) {
     ++faults_injected_;
     throw UpstreamError("simulated device: injected failure in unmap");
   }
-  for (std::size_t p = first; p < first + bytes / page_size_; ++p) mapped[p] = 0;
+  for (std::size_t p = first; p < end; ++p) mapped[p] = 0;
   used_ -= bytes;
 }
 

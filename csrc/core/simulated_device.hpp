@@ -60,7 +60,8 @@ class SimulatedDevice : public Upstream {
 
  private:
   bool inject_fault();
-  std::vector<std::uint8_t>& pages_of(std::uintptr_t address, std::size_t bytes, std::size_t* first);
+  struct Range;
+  Range& range_of(std::uintptr_t address, std::size_t bytes, std::size_t* first);
 
   UpstreamKind kind_;
   std::size_t capacity_;
@@ -68,7 +69,11 @@ class SimulatedDevice : public Upstream {
   std::size_t used_ = 0;
   std::uintptr_t next_address_;  // fake, never dereferenced; distinct across simulated devices
   std::map<std::uintptr_t, std::size_t> segments_;
-  struct Range { std::size_t bytes; std::vector<std::uint8_t> mapped; };
+  // Per page of a range: 0 unmapped; the first page of a physical allocation (the `page` of map)
+  // holds its length in pages, the others kMember. unmap must name whole allocations, as on CUDA.
+  // Grown to the highest page mapped: a range spans four times the device, little of it is used.
+  static constexpr std::uint16_t kMember = 0x8000;
+  struct Range { std::size_t bytes; std::vector<std::uint16_t> mapped; };
   std::map<std::uintptr_t, Range> ranges_;
 
   struct StreamWork { std::uint64_t queued = 0, completed = 0; };

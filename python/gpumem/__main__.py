@@ -13,7 +13,7 @@ import time
 from . import _C, status
 from . import run as run_cmd
 from ._format import fmt_in
-from .replay import bundled_traces, print_progress, reference_ratios, replay
+from .replay import bundled_traces, min_capacity, print_progress, reference_ratios, replay
 
 
 def _gib(n: int) -> str:
@@ -30,6 +30,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gpumem replay: {e}", file=sys.stderr)
         return 2
+    if args.min_capacity:
+        if not 0 < args.tolerance < 1:
+            print(f"gpumem replay: --tolerance {args.tolerance} is not a fraction in (0, 1)", file=sys.stderr)
+            return 2
+        if capacity is not None:
+            print("gpumem replay: --min-capacity searches the capacity itself; drop --capacity",
+                  file=sys.stderr)
+            return 2
+        return _min_capacity(args, traces, page_size)
     refs = reference_ratios()
     reports = []
     for path in traces:
@@ -64,6 +73,37 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"  first OOM: {r.first_oom}")
     print("\nratio = peak reserved / peak live (lower is better; 1.0 is the floor). "
           "ns/pair = CPU time of the pool per allocate+free.")
+    return 0
+
+
+def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None) -> int:
+    results = []
+    for path in traces:
+        if not (args.json or args.quiet):
+            print(f"{path}: searching the lowest capacity with 0 OOMs", file=sys.stderr)
+        try:
+            results.append(min_capacity(path, tolerance=args.tolerance, upstream=args.upstream,
+                                        page_size=page_size, release=args.release))
+        except (ValueError, FileNotFoundError) as e:
+            print(f"gpumem replay: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        for m in results:
+            print(m.to_json())
+        return 0
+    page = (page_size or _C.DEFAULT_PAGE_SIZE) >> 20
+    print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}, pages of {page} MiB: "
+          f"lowest simulated device capacity with 0 OOMs")
+    header = (f"{'trace':<14} {'peak live GiB':>13} {'min capacity GiB':>16} {'x peak live':>11} "
+              f"{'fails at':>9} {'replays':>7}")
+    print(header)
+    print("-" * len(header))
+    for m in results:
+        note = "  (not monotone in the capacity: a higher one failed)" if m.non_monotone else ""
+        print(f"{m.workload:<14} {_gib(m.peak_live_bytes):>13} {_gib(m.capacity_bytes):>16} {m.ratio:>11.4f} "
+              f"{m.failed_below:>9.4f} {m.replays:>7}{note}")
+    print(f"\nx peak live = min capacity / peak live bytes, bisected to {100 * args.tolerance:g}% of peak "
+          "live; fails at = the highest capacity tried below it that had an OOM.")
     return 0
 
 
@@ -124,6 +164,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="vmm page size, a multiple of 2MiB (default: gpumem's, 8MiB)")
     p.add_argument("--release", choices=["lazy", "high_water"], default="lazy",
                    help="release policy (default lazy, gpumem's default)")
+    p.add_argument("--min-capacity", action="store_true",
+                   help="instead: the lowest simulated capacity at which each trace replays with 0 OOMs, "
+                        "as a multiple of its peak live bytes (bisected to --tolerance)")
+    p.add_argument("--tolerance", type=float, default=0.0025, metavar="FRACTION",
+                   help="--min-capacity's resolution, a fraction of peak live bytes (default 0.0025)")
     p.add_argument("--json", action="store_true", help="one JSON line per trace")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_replay, subparser=p)

@@ -15,7 +15,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import _C
 
@@ -66,13 +66,15 @@ def replay(
     release: str = "lazy",
     release_slack: Optional[float] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    limit: Optional[int] = None,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
     ``upstream`` is ``"vmm"`` (pages mapped on demand, gpumem's default) or ``"segments"``
     (cudaMalloc-style regions); ``capacity`` is the simulated device's memory in bytes; ``page_size``
-    the bytes per page of large arenas (a multiple of 2 MiB; small arenas use 2 MiB pages).
-    Raises ``ValueError`` with ``file:line`` for a malformed trace.
+    the bytes per page of large arenas (a multiple of 2 MiB; small arenas use 2 MiB pages);
+    ``limit`` bounds the pool's reserved bytes on that device as ``set_per_process_memory_fraction``
+    does in PyTorch (``Pool.set_limit``). Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
     page_size = _C.DEFAULT_PAGE_SIZE if page_size is None else page_size
@@ -80,6 +82,8 @@ def replay(
     device = _C.SimulatedDevice(upstream, capacity)  # CUDA's 2 MiB granularity
     options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
     pool = _C.Pool(device, release=release, page_size=page_size, **options)
+    if limit is not None:
+        pool.set_limit(limit)
     result = _C.replay(loaded, pool, progress)
     return ReplayReport(
         trace=str(trace),
@@ -93,6 +97,76 @@ def replay(
         **{k: result[k] for k in ("peak_live_bytes", "peak_reserved_bytes", "fragmentation",
                                   "upstream_calls", "ns_per_pair", "ooms", "first_oom")},
     )
+
+
+@dataclass
+class MinCapacity:
+    """The lowest simulated device capacity at which a trace replays with 0 OOMs (``min_capacity``)."""
+    trace: str
+    workload: str
+    peak_live_bytes: int
+    capacity_bytes: int     # the lowest capacity that passed
+    ratio: float            # capacity_bytes / peak_live_bytes
+    failed_below: float     # the highest ratio that failed below it (the bracket is [failed_below, ratio])
+    replays: int
+    non_monotone: bool      # a capacity above the result failed: the outcome is not monotone in it
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def min_capacity(
+    trace: Union[str, Path],
+    tolerance: float = 0.0025,
+    checks: Tuple[float, ...] = (0.01, 0.02, 0.05),
+    **options: Any,
+) -> MinCapacity:
+    """The tight case on the CPU: the lowest simulated device capacity, as a multiple of the trace's
+    peak live bytes P, at which the whole trace replays with 0 OOMs, bisected to ``tolerance`` x P.
+
+    Each step is a fresh replay (``options`` are ``replay``'s: upstream, page_size, release, ...) on a
+    device of that capacity; a capped PyTorch run stops at its first OOM, so any OOM fails the step.
+    Capacities below P always fail (live bytes alone exceed them); P itself is tried first. The
+    search starts from the peak reserved of a replay on the default device, which passed.
+    Bisection assumes the outcome is monotone in the capacity; ``checks`` (fractions of P above the
+    result) are replayed as well and ``non_monotone`` says whether any of them failed.
+    """
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
+    if "capacity" in options or "limit" in options or "progress" in options:
+        raise ValueError("min_capacity chooses the capacity itself: pass neither capacity, limit "
+                         "nor progress")
+    base = replay(trace, **options)
+    if base.ooms:
+        raise ValueError(f"{trace}: {base.ooms} OOMs even on the default {DEFAULT_CAPACITY >> 30} GiB device")
+    peak = base.peak_live_bytes
+    passed: Dict[int, bool] = {}
+
+    def passes(capacity: int) -> bool:
+        if capacity not in passed:
+            passed[capacity] = replay(trace, capacity=capacity, **options).ooms == 0
+        return passed[capacity]
+
+    lo, hi = peak, max(base.peak_reserved_bytes, peak + 1)
+    if passes(lo):  # live bytes alone fill the device: nothing lower can pass
+        return MinCapacity(trace=str(trace), workload=base.workload, peak_live_bytes=peak, capacity_bytes=lo,
+                           ratio=1.0, failed_below=1.0, replays=2, non_monotone=False)
+    while not passes(hi):  # the default device's peak reserved should pass; if not, widen
+        lo, hi = hi, min(DEFAULT_CAPACITY, hi + (hi - peak) * 2 + (peak >> 7))
+        if lo == DEFAULT_CAPACITY:
+            raise ValueError(f"{trace}: no capacity up to the default device's passes")
+    step = max(1, int(tolerance * peak))
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    non_monotone = not all(passes(hi + int(c * peak)) for c in checks)
+    non_monotone = non_monotone or any(not ok and c > hi for c, ok in passed.items())
+    return MinCapacity(trace=str(trace), workload=base.workload, peak_live_bytes=peak, capacity_bytes=hi,
+                       ratio=hi / peak, failed_below=lo / peak, replays=len(passed) + 1,
+                       non_monotone=non_monotone)
 
 
 def _load(path: Path) -> _C.Trace:

@@ -26,15 +26,18 @@ class Harness {
     PoolOptions o;
     o.cap_bytes = cap_;
     o.release = release_;
-    o.large_page_bytes = page_;  // the OOM-justification model counts pages of one size
+    // Bit 5: large arenas map groups of four pages while they fit, single pages near the cap (the
+    // default's 8 MiB on 2 MiB). The OOM-justification model still counts single pages: the pool
+    // maps no more than the pages a block touches when whole groups would not fit.
+    o.large_page_bytes = (b0 & 32) ? 4 * page_ : page_;
     pool_ = std::make_unique<Pool>(dev_, o);
     pool_->add_oom_callback([this] { on_oom(); });
     dev_->spans = &spans_;
     pool_->set_segment_observer([this](SegmentEvent e, std::uintptr_t a, std::size_t n, StreamId) { on_span(e, a, n); });
-    describe("setup kind=%s release=%s page=%zu capacity=%zu cap=%zu auto_complete=%d",
+    describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
-             release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, capacity_, cap_,
-             int(dev_->auto_complete()));
+             release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, o.large_page_bytes,
+             capacity_, cap_, int(dev_->auto_complete()));
     check_state();
   }
 

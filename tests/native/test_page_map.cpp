@@ -225,3 +225,42 @@ TEST(the_self_check_catches_a_run_marked_mapped_twice) {
   CHECK(wrong != nullptr);
   CHECK_EQ(std::string(wrong), std::string("hole count disagrees with the page map"));
 }
+
+// ---- units: pages mapped as groups (one physical allocation) or one by one -----------------------
+
+TEST(units_are_whole_groups_or_single_pages) {
+  PageMap m(kBase, 16 * kPage, kPage, 4);  // groups of four pages: [0,4) [4,8) [8,12) [12,16)
+  CHECK_EQ(m.group(), std::size_t(4));
+  CHECK_RUN(m.widened(PageRun{5, 9}), 4, 12);
+  CHECK_RUN(m.widened(PageRun{4, 8}), 4, 8);
+  m.mark_mapped(PageRun{0, 8}, /*coarse=*/true);  // two groups
+  m.mark_mapped(PageRun{9, 11});                  // two single pages in the third group
+  check_consistent(m);
+  CHECK(m.coarse(0) && m.coarse(7) && !m.coarse(9) && !m.coarse(12));
+  CHECK_EQ(m.unit_bytes(5), 4 * kPage);
+  CHECK_EQ(m.unit_bytes(9), kPage);
+  // A run narrowed to whole units: a group it holds only part of is left out, single pages stay.
+  CHECK_RUN(m.whole_units(PageRun{2, 11}), 4, 11);
+  CHECK_RUN(m.whole_units(PageRun{0, 6}), 0, 4);
+  CHECK(m.whole_units(PageRun{1, 3}).empty());
+  CHECK_RUN(m.whole_units(PageRun{9, 10}), 9, 10);
+  // Runs of one unit size: the two groups, then the single pages.
+  CHECK_RUN(m.next_uniform_run(0, 16), 0, 8);
+  CHECK_RUN(m.next_uniform_run(8, 16), 9, 11);
+  CHECK_RUN(m.next_uniform_run(2, 16), 2, 8);
+  // Unmapping clears the group flags with the pages.
+  m.mark_unmapped(PageRun{4, 8});
+  CHECK(!m.coarse(4));
+  check_consistent(m);
+  m.mark_mapped(PageRun{4, 6});  // single pages where a group was
+  CHECK_RUN(m.next_uniform_run(0, 16), 0, 4);
+  CHECK_RUN(m.next_uniform_run(4, 16), 4, 6);
+  check_consistent(m);
+}
+
+TEST(the_self_check_catches_a_group_unit_that_is_not_whole) {
+  PageMap m(kBase, 8 * kPage, kPage, 4);
+  m.mark_mapped(PageRun{0, 2}, /*coarse=*/true);  // half a group flagged as one allocation
+  const char* wrong = m.inconsistency();
+  CHECK_EQ(std::string(wrong ? wrong : "consistent"), std::string("a group unit is not whole"));
+}

@@ -1,0 +1,97 @@
+// pool_tests, continued: the physical units of large arenas (page_map.hpp) and where a block is placed
+// in its free block (Pool::place). Far from the cap a large arena maps whole 8 MiB groups; within 1%
+// of the cap single 2 MiB pages; pages go back only as the units they were mapped as (the simulated
+// device refuses to unmap part of a physical allocation); a block goes where it needs the fewest
+// unmapped pages.
+#include <cstdint>
+#include <vector>
+
+#include "pool_test_util.hpp"
+
+using namespace gpumem_test;
+
+namespace {
+
+Setup grouped(std::size_t capacity, std::size_t cap, ReleasePolicy release = ReleasePolicy::kLazy) {
+  Setup s(UpstreamKind::kPages, capacity, cap, release);  // 2 MiB pages throughout...
+  PoolOptions o;
+  o.cap_bytes = cap;
+  o.release = release;
+  o.large_page_bytes = 8 * MiB;  // ...then large arenas with groups of four, the default
+  s.pool = std::make_unique<Pool>(s.dev, o);
+  return s;
+}
+
+}  // namespace
+
+TEST(far_from_the_cap_large_arenas_map_whole_groups) {
+  Setup s = grouped(1024 * MiB, 0);
+  std::uintptr_t a = s.pool->allocate(3 * MiB, 0);  // above 1 MiB: the large arena
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(8 * MiB));
+  std::uintptr_t b = s.pool->allocate(4 * MiB, 0);  // on the same group
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(8 * MiB));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(a);
+  s.pool->free(b);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(near_the_cap_large_arenas_map_single_pages_and_give_back_units_as_mapped) {
+  // Cap 100 MiB: whole groups fit up to 99 MiB (1% short of the cap), so past 96 MiB reserved the
+  // pool maps the 2 MiB pages a block touches.
+  Setup s = grouped(1024 * MiB, 100 * MiB);
+  std::vector<std::uintptr_t> blocks;
+  for (int i = 0; i < 12; ++i) blocks.push_back(s.pool->allocate(8 * MiB, 0));  // 96 MiB, whole groups
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(96 * MiB));
+  std::uintptr_t small_tail = s.pool->allocate(3 * MiB, 0);  // a whole group would pass 99 MiB
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(100 * MiB));  // two pages, not four
+  check_clean(*s.pool, *s.dev);
+  // Free one 8 MiB block in the middle: its group is whole and free, it can go back; the cap holds.
+  s.pool->free(blocks[5]);
+  std::uintptr_t c = s.pool->allocate(6 * MiB, 0);
+  CHECK(c != 0);
+  check_clean(*s.pool, *s.dev);
+  CHECK(cur(s.pool->stats().reserved_bytes) <= std::int64_t(100 * MiB));
+  s.pool->free(small_tail);
+  s.pool->free(c);
+  for (std::size_t i = 0; i < blocks.size(); ++i)
+    if (i != 5) s.pool->free(blocks[i]);
+  check_empty_after_trim(*s.pool, *s.dev);  // the device checks every unmap was of whole units
+}
+
+TEST(a_capped_pool_fits_what_whole_groups_would_not) {
+  // 9 blocks of 10 MiB under a 92 MiB cap: with whole 8 MiB groups only, the ninth, [80, 90) MiB,
+  // would need the group [88, 96): 96 MiB, past the cap with nothing to release, an OOM. Near the cap
+  // the pool maps its 2 MiB pages instead: 90 MiB.
+  Setup s = grouped(1024 * MiB, 92 * MiB);
+  std::vector<std::uintptr_t> blocks;
+  for (int i = 0; i < 9; ++i) {
+    blocks.push_back(s.pool->allocate(10 * MiB, 0));
+    s.pool->validate();
+  }
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(90 * MiB));
+  CHECK_EQ(s.pool->stats().num_ooms, std::int64_t(0));
+  check_clean(*s.pool, *s.dev);
+  for (std::uintptr_t b : blocks) s.pool->free(b);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(a_block_goes_where_it_needs_the_fewest_unmapped_pages) {
+  // High water: freed pages between live blocks are released. A hole whose start lies on released
+  // pages and whose end on mapped ones takes a smaller block at its end.
+  Setup s(UpstreamKind::kPages, 1024 * MiB, 0, ReleasePolicy::kHighWater);
+  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t c = s.pool->allocate(8 * MiB, 0);
+  s.pool->free(a);
+  s.pool->trim();  // a's 4 pages go back: the hole [a, b) is unmapped
+  s.pool->free(b);  // the hole is now [a, c): 4 unmapped pages, then 4 mapped ones
+  const std::int64_t before = cur(s.pool->stats().reserved_bytes);
+  std::uintptr_t d = s.pool->allocate(4 * MiB, 0);
+  CHECK_EQ(d, b + 4 * MiB);  // at the hole's end, on b's mapped pages
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), before);  // nothing mapped
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(d);
+  s.pool->free(c);
+  check_empty_after_trim(*s.pool, *s.dev);
+}

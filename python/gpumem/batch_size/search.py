@@ -67,8 +67,8 @@ def _predict(fit: Optional[Tuple[float, float, int, int]], tgt: float, default: 
 
 
 # What the allocator's pages are expected to add to the allocated peak at the limit, as a fraction of the
-# target: where the search's first guess near the limit aims (on the GPU: 0.6-2 %, measured as the gap
-# between the largest fitting trial's allocated peak and the target on five workloads).
+# target: where the search's first guess near the limit aims (on the GPU: 0.6-2 %, the gap between the
+# largest fitting trial's allocated peak and the target on bench/batch_size_bench.py's workloads).
 OVERHEAD = 0.01
 
 
@@ -96,7 +96,6 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
     trials: List[Trial] = []
     ok: Dict[int, Trial] = {}
     measured: Dict[int, int] = {}  # b -> allocated peak, for every trial that ran
-    reserved: Dict[int, int] = {}  # b -> reserved peak, for the trials that reported one
 
     def run(b: int, phase: str) -> Trial:
         if len(trials) >= max_trials:
@@ -117,12 +116,9 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
                 m = _Measurement(int(m))
             peak = int(m.peak_bytes)
             secs = getattr(m, "seconds", None)
-            res = getattr(m, "reserved_bytes", None)
-            tr = Trial(b, "fits" if peak <= target else "over", peak, res,
+            tr = Trial(b, "fits" if peak <= target else "over", peak, getattr(m, "reserved_bytes", None),
                        clock() - t0 if secs is None else secs, phase, pred)
             measured[b] = peak
-            if res is not None:
-                reserved[b] = int(res)
         trials.append(tr)
         if tr.fits:
             ok[b] = tr

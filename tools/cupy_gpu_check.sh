@@ -6,11 +6,7 @@
 # (run `bash tools/gpu_session.sh build` first). Logs to $OUT.
 #   bash tools/cupy_gpu_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpumem-out}
-mkdir -p "$OUT"
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+source "$(dirname "$0")/gpu_env.sh"  # working directory, $OUT, /tmp/site
 python3 -c "import cupy, gpumem.cupy as g; print('cupy', cupy.__version__, 'path:', g.path(), \
   repr(g.c_path_problem()))" > "$OUT/cupy_path.log" 2>&1
 cat "$OUT/cupy_path.log"

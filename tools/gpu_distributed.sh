@@ -8,11 +8,7 @@
 #   bash tools/gpu_distributed.sh bench [STEPS]  # fsdp_bench: native, expandable, gpumem; compare (~3 min)
 #   bash tools/gpu_distributed.sh soak [MINUTES] # fsdp_bench with gpumem for MINUTES (default 5)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpumem-out}
-mkdir -p "$OUT"
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+source "$(dirname "$0")/gpu_env.sh"  # working directory, $OUT, /tmp/site
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 T=tests/gpu/test_distributed_gpu.py
 suite() {

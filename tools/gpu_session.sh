@@ -20,13 +20,9 @@
 # Phases that measure speed must not share a GPU with another phase.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
-cd "$(dirname "$SELF")/.."
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpumem-out}
+source "$(dirname "$SELF")/gpu_env.sh"  # working directory, $OUT, /tmp/site
 SOAK=/tmp/gpumem-soak
 WL=${WORKLOADS:+--workloads $WORKLOADS}
-mkdir -p "$OUT"
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
 gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
 
 case "${1:-}" in

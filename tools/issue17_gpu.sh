@@ -14,11 +14,7 @@
 # running at that moment, which is then left to end by itself.
 # Exit status: 0 when every step passed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpumem-out}
-mkdir -p "$OUT"
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+source "$(dirname "$0")/gpu_env.sh"  # working directory, $OUT, /tmp/site
 failed=0
 
 step() {  # step NAME LIMIT_S LOG CMD...: runs CMD under timeout -s KILL, output in LOG; one summary line

@@ -150,7 +150,7 @@ def min_capacity(
     lo, hi = peak, max(base.peak_reserved_bytes, peak + 1)
     if passes(lo):  # live bytes alone fill the device: nothing lower can pass
         return MinCapacity(trace=str(trace), workload=base.workload, peak_live_bytes=peak, capacity_bytes=lo,
-                           ratio=1.0, failed_below=1.0, replays=2, non_monotone=False)
+                           ratio=1.0, failed_below=1.0, replays=len(passed) + 1, non_monotone=False)
     while not passes(hi):  # the default device's peak reserved should pass; if not, widen
         lo, hi = hi, min(DEFAULT_CAPACITY, hi + (hi - peak) * 2 + (peak >> 7))
         if lo == DEFAULT_CAPACITY:

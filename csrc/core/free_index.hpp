@@ -68,6 +68,18 @@ class FreeIndex {
     return large_.best_fit(size);
   }
 
+  // Calls f(b) on the blocks of at least `size` bytes (a multiple of 512), smallest first, the first
+  // one being best_fit's, until f returns false.
+  template <typename F>
+  void for_each_fit(std::size_t size, F&& f) const {
+    if (size <= kBinnedLimit && binned_) {
+      for (std::size_t i = bin_of(size); i < kBins; ++i)
+        for (Block* b = heads_[i]; b; b = b->bin_next)
+          if (!f(b)) return;
+    }
+    large_.for_each_fit(size, f);
+  }
+
   std::size_t size() const { return binned_ + large_.size(); }
   bool empty() const { return size() == 0; }
 

@@ -245,7 +245,8 @@ bool Pool::commit_allocation(Block* block, bool release_and_retry) {
   return true;
 }
 
-// Best fit among the arena's free blocks; on a segments upstream, a new segment when none fits.
+// Best fit among the arena's free blocks, or on a paged upstream a larger one that needs fewer pages
+// mapped (fewest_unmapped_fit); on a segments upstream, a new segment when none fits.
 Pool::Block* Pool::take_free_block(Arena& arena, std::size_t rounded) {
   Block* block = arena.free_blocks.best_fit(rounded);
   if (!block) {
@@ -264,6 +265,7 @@ Pool::Block* Pool::take_free_block(Arena& arena, std::size_t rounded) {
     block = arena.free_blocks.best_fit(rounded);
     if (!block) return nullptr;
   }
+  block = fewest_unmapped_fit(arena, block, rounded);
   arena.free_blocks.erase(block);
   return block;
 }

@@ -302,6 +302,7 @@ class Pool {
   }
   Arena& find_arena(StreamId stream, bool small);  // finds or adds it, and remembers it as the last
   Block* take_free_block(Arena& arena, std::size_t rounded);
+  Block* fewest_unmapped_fit(const Arena& arena, Block* best, std::size_t rounded) const;
   Block* place(Arena& arena, Block* block, std::size_t rounded);
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);

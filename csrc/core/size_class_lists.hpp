@@ -60,6 +60,16 @@ class SizeClassLists {
     return next == kClasses ? nullptr : heads_[next];
   }
 
+  // Calls f(b) on the blocks of at least `size` bytes, smallest first (best_fit's order), until f
+  // returns false.
+  template <typename F>
+  void for_each_fit(std::size_t size, F&& f) const {
+    std::size_t c = size > min_size ? class_of(size) : 0;
+    for (; c < kClasses; c = first_class_after(c))
+      for (Block* b = heads_[c]; b; b = b->bin_next)
+        if (b->size >= size && !f(b)) return;
+  }
+
   std::size_t size() const { return count_; }
 
   // Calls f(b) on every block, largest first.

@@ -95,3 +95,30 @@ TEST(a_block_goes_where_it_needs_the_fewest_unmapped_pages) {
   s.pool->free(c);
   check_empty_after_trim(*s.pool, *s.dev);
 }
+
+TEST(a_block_takes_a_larger_mapped_hole_over_a_best_fit_that_needs_pages_mapped) {
+  // Two holes: [0, 20) MiB with its pages given back (trim), [22, 62) MiB still mapped. Best fit for
+  // 16 MiB is the first, which needs 8 pages mapped; the second needs none and pins no more pages:
+  // the block goes there and nothing is mapped (pool_map.cpp: fewest_unmapped_fit).
+  Setup s(UpstreamKind::kPages, 1024 * MiB, 0, ReleasePolicy::kLazy);
+  std::uintptr_t a = s.pool->allocate(20 * MiB, 0);
+  std::uintptr_t sep1 = s.pool->allocate(2 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(40 * MiB, 0);
+  std::uintptr_t sep2 = s.pool->allocate(2 * MiB, 0);
+  s.pool->free(a);
+  s.pool->trim();  // a's pages go back: the hole [0, 20) MiB is unmapped
+  s.pool->free(b);  // [22, 62) MiB: free, mapped
+  const std::int64_t reserved = cur(s.pool->stats().reserved_bytes);
+  const std::int64_t maps = s.pool->stats().num_device_alloc;
+  std::uintptr_t d = s.pool->allocate(16 * MiB, 0);
+  CHECK_EQ(d, b);
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), reserved);
+  CHECK_EQ(s.pool->stats().num_device_alloc, maps);
+  check_clean(*s.pool, *s.dev);
+  // The unmapped hole still serves what only it can hold: 20 MiB does not fit the mapped rest.
+  std::uintptr_t e = s.pool->allocate(20 * MiB, 0);
+  CHECK_EQ(e, a);
+  check_clean(*s.pool, *s.dev);
+  for (std::uintptr_t p : {d, e, sep1, sep2}) s.pool->free(p);
+  check_empty_after_trim(*s.pool, *s.dev);
+}

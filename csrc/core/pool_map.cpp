@@ -47,8 +47,8 @@ constexpr std::size_t kPinnedPageWeight = 16;
 // holes whose pages are unmapped. Best fit alone takes such a hole whenever it is the tighter fit,
 // and mapping it again under the cap means releasing the mapped free pages of another hole, which
 // the next request of the same size takes back in turn: at the cap, every step remaps. On the GPU
-// (BERT inference under a 3.2 GiB cap, one H100): 22.4 GiB remapped per step and 1.09 s per step
-// with best fit alone, 6-7 GiB and 0.42 s with the mapped hole preferred. Far from the cap the best
+// (BERT-base inference, batch 470, under a 3.17 GiB limit, one H100): 22.4 GiB remapped and 1.09 s
+// per step with best fit alone, 7.7 GiB and 0.36-0.44 s with this choice. Far from the cap the best
 // fit needs new pages only at the region's free tail, the largest block: nothing larger is scanned.
 Pool::Block* Pool::fewest_unmapped_fit(const Arena& arena, Block* best, std::size_t rounded) const {
   if (!best->region->paged) return best;  // a paged arena has one region: all its blocks are paged

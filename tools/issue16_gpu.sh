@@ -10,9 +10,7 @@
 # Before/after: run the same pressure command at the commit before this branch (its figures are the
 # "before"); the replay's CPU figures of both are in README (Benchmarks and results).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpumem-out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"  # repository root, $OUT, the carried RMM wheels on the path
 pressure() {
   timeout 470 python3 bench/pressure.py --quick --tolerance 0.0025 --workloads "$1" \
     --allocators native,gpumem,gpumem_hw --budget-s 380 --json "$OUT/issue16_$2.json" > "$OUT/issue16_$2.log" 2>&1

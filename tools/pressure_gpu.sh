@@ -6,9 +6,7 @@
 #   bash tools/pressure_gpu.sh 1|2|3       # the benchmark, one third of the workloads per call
 #   bash tools/pressure_gpu.sh growth      # what growing the pool costs per allocator (~2 min)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpumem-out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"  # repository root, $OUT, the carried RMM wheels on the path
 case "${1:-}" in
   tests) timeout 470 python3 -m pytest -m gpu -p no:cacheprovider -rfEs -q \
            tests/gpu/test_cuda_upstreams_gpu.py tests/gpu/test_torch_bridge_gpu.py > "$OUT/release_tests.log" 2>&1

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
            "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py",
-           "growth_cost.py"]
+           "growth_cost.py", "record_trace.py", "remap_at_cap.py"]
 
 
 def run(args, cwd, **kw):
@@ -193,3 +193,40 @@ def test_mixed_pipeline_sizes_span_the_range_and_repeat():
     assert all(0.1 * GiB - 4096 <= s <= 6 * GiB and s % 4096 == 0 for s in flat)
     assert max(flat) / min(flat) > 10  # sizes that vary, so that caching pools fragment
     assert max(s for pair in mixed_pipeline.sizes(24, 0.25, 0) for s in pair) <= 1.5 * GiB
+
+
+def test_remap_at_cap_replays_a_recorded_trace_and_skips_a_malformed_one(tmp_path):
+    """bench/remap_at_cap.py on the recorded BERT-inference trace (3 equal steps): the cap makes the pool
+    map more than uncapped, no OOM at 1.02x, and the lowest 0-OOM capacity lies between 1.0x and 1.02x;
+    a malformed trace is named on stderr and the others still run."""
+    bad = tmp_path / "bad.trace"
+    bad.write_text("a 0 512 0\nf 7\n")
+    trace = BENCH / "traces" / "fbs_bert.trace.gz"
+    r = run([BENCH / "remap_at_cap.py", "--json", bad, trace], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "bad.trace" in r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert row["trace"] == "fbs_bert"
+    assert row["x1.02"]["ooms"] == 0 and row["x1.05"]["ooms"] == 0
+    assert row["x1.02"]["mapped_bytes"] > row["uncapped"]["mapped_bytes"]
+    assert 1.0 < row["min_capacity"] < 1.02
+
+
+def test_record_trace_converts_a_memory_history_snapshot():
+    """bench/record_trace.py's conversion: allocs numbered in order, frees of blocks allocated before the
+    recording left out, streams numbered by first use, the peak of live bytes."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import record_trace
+    finally:
+        sys.path.remove(str(BENCH))
+    events = [dict(action="free_completed", addr=0x10, size=512, stream=0),  # allocated before recording
+              dict(action="alloc", addr=0x100, size=1024, stream=7),
+              dict(action="segment_alloc", addr=0x0, size=2 << 20, stream=7),
+              dict(action="alloc", addr=0x500, size=4096, stream=9),
+              dict(action="free_requested", addr=0x100, size=1024, stream=7),
+              dict(action="free_completed", addr=0x100, size=1024, stream=7),
+              dict(action="alloc", addr=0x100, size=512, stream=7)]
+    lines, allocations, peak = record_trace.snapshot_to_trace({"device_traces": [events]})
+    assert lines == ["a 0 1024 0", "a 1 4096 1", "f 0", "a 2 512 0"]
+    assert allocations == 3 and peak == 5120

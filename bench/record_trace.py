@@ -1,0 +1,95 @@
+"""Record an allocation trace of a workload on the GPU, in gpumem's trace format (what `gpumem replay`
+and bench/remap_at_cap.py read), from PyTorch's own allocator's memory history.
+
+    python bench/record_trace.py fbs_bert bench/traces/fbs_bert.trace.gz
+    python bench/record_trace.py varlen bench/traces/varlen.trace.gz
+
+Workloads: a bench/pressure_workloads.py workload (all its steps: moe, bert, generate, ckpt, varlen,
+resnet, vit, allocfree), or a batch-size bench step at the size gpumem's finder chose on one H100:
+``fbs_bert`` (BERT-base fp16 inference, sequence 384, batch 475, 3 steps) and ``fbs_gen`` (GPT-2
+generation, batch 1250, 64 new tokens, 1 step). The process runs PyTorch's native allocator
+(uncapped), so the trace is the requests and their order, not any allocator's placement. The traces
+in bench/traces/ were recorded this way on one H100 (torch 2.11.0+cu130).
+"""
+import argparse
+import gzip
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+FBS = {"fbs_bert": ("bert", 475, 3), "fbs_gen": ("gen", 1250, 1)}
+
+
+def snapshot_to_trace(snapshot: dict, device: int = 0) -> tuple:
+    """(lines, allocations, peak live bytes) of the trace format from a memory-history snapshot
+    (``torch.cuda.memory._snapshot()``): ``a <id> <bytes> <stream>`` per alloc event and ``f <id>`` per
+    free_completed event of an address allocated while recording; streams numbered in order of first
+    use. Frees of blocks allocated before recording are left out (the trace never saw them)."""
+    ids, streams, lines = {}, {}, []
+    live = peak = allocations = 0
+    for event in snapshot["device_traces"][device]:
+        action, address = event["action"], event["addr"]
+        if action == "alloc":
+            stream = streams.setdefault(event["stream"], len(streams))
+            ids[address] = (allocations, event["size"])
+            lines.append(f"a {allocations} {event['size']} {stream}")
+            allocations += 1
+            live += event["size"]
+            peak = max(peak, live)
+        elif action == "free_completed" and address in ids:
+            slot, size = ids.pop(address)
+            lines.append(f"f {slot}")
+            live -= size
+    return lines, allocations, peak
+
+
+def run_workload(name: str, torch) -> None:
+    if name in FBS:
+        from batch_size_workloads import Workload
+
+        model, batch, steps = FBS[name]
+        w = Workload(model)
+        for _ in range(steps):
+            w.step(batch)
+        return
+    import pressure_workloads as pw
+
+    pw.DEVICE = torch.device("cuda")
+    steps, _, step = pw.make_workload(name, torch, False, 0)
+    for i in range(steps):
+        step(i)
+
+
+def main(argv=None) -> int:
+    import pressure_workloads as pw
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", choices=sorted(FBS) + list(pw.WORKLOADS))
+    ap.add_argument("out", help="the trace file to write (.gz: gzip)")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("record_trace.py records on a CUDA device; none is available")
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             max_entries=5_000_000)
+    run_workload(args.workload, torch)
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    lines, allocations, peak = snapshot_to_trace(snapshot)
+    opener = gzip.open if args.out.endswith(".gz") else open
+    with opener(args.out, "wt") as f:
+        f.write(f"# workload {args.workload} torch {torch.__version__} gpu {torch.cuda.get_device_name()} "
+                f"allocs {allocations} peak_live_bytes {peak} "
+                f"max_reserved_bytes {torch.cuda.max_memory_reserved()}\n")
+        f.write("\n".join(lines) + "\n")
+    print(f"{args.workload}: {allocations} allocations, peak live {peak / 2**30:.3f} GiB -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

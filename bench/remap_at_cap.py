@@ -1,0 +1,72 @@
+"""What the pool remaps at a cap, on the CPU: each trace replayed on a simulated device uncapped and at
+1.02x and 1.05x its peak live bytes, with the bytes mapped over the whole replay (the first mapping
+included: uncapped, that is all there is), the upstream calls (maps and unmaps) and OOMs; then the
+lowest capacity with 0 OOMs (``gpumem.replay.min_capacity``, 0.25% resolution).
+
+    python bench/remap_at_cap.py                       # bench/traces/*.trace.gz and the bundled traces
+    python bench/remap_at_cap.py bench/traces/fbs_bert.trace.gz --release high_water
+
+Bytes mapped beyond the uncapped figure are pages given back and mapped again because of the cap:
+each such page is a driver call on the GPU (and, when its last use may still be running, a wait).
+"""
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure(trace: str, release: str, factors=(1.02, 1.05)) -> dict:
+    from gpumem import _C
+
+    replay = importlib.import_module("gpumem.replay")  # the module (gpumem.replay is also a function)
+    loaded = replay._load(Path(trace))
+    peak = replay.replay(trace, release=release).peak_live_bytes
+    row = dict(trace=Path(trace).name.split(".")[0], release=release, peak_live_bytes=peak)
+    for factor in (None, *factors):
+        device = _C.SimulatedDevice("vmm", int(factor * peak) if factor else replay.DEFAULT_CAPACITY)
+        pool = _C.Pool(device, release=release, page_size=_C.DEFAULT_PAGE_SIZE)
+        result = _C.replay(loaded, pool, None)
+        key = f"x{factor}" if factor else "uncapped"
+        row[key] = dict(mapped_bytes=pool.stats()["reserved_bytes"]["all"]["allocated"],
+                        upstream_calls=result["upstream_calls"], ooms=result["ooms"],
+                        fragmentation=result["fragmentation"])
+    row["min_capacity"] = replay.min_capacity(trace, release=release).ratio
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="*",
+                    help="trace files (default: bench/traces/ and gpumem's bundled ones)")
+    ap.add_argument("--release", default="lazy", choices=("lazy", "high_water"))
+    ap.add_argument("--json", action="store_true", help="one JSON line per trace instead of the table")
+    args = ap.parse_args(argv)
+    replay = importlib.import_module("gpumem.replay")
+    traces = args.traces or sorted(str(p) for p in (HERE / "traces").glob("*.trace.gz")) + \
+        [str(p) for p in replay.bundled_traces()]
+    if not args.json:
+        print(f"{'trace':11s} {'GiB mapped: uncapped':>20s} {'1.02x':>7s} {'1.05x':>7s}   "
+              f"{'calls: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'OOMs':>4s}  min capacity")
+    for trace in traces:
+        try:
+            row = measure(trace, args.release)
+        except ValueError as e:  # a malformed or unreadable trace: say which, go on with the others
+            print(f"{trace}: {e}", file=sys.stderr)
+            continue
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
+        cols = [row[k] for k in ("uncapped", "x1.02", "x1.05")]
+        gib = [c["mapped_bytes"] / 2**30 for c in cols]
+        calls = [c["upstream_calls"] for c in cols]
+        print(f"{row['trace']:11s} {gib[0]:20.2f} {gib[1]:7.2f} {gib[2]:7.2f}   {calls[0]:15d} {calls[1]:6d} "
+              f"{calls[2]:6d}  {cols[1]['ooms'] + cols[2]['ooms']:4d}  {row['min_capacity']:.4f}x",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,8 +9,9 @@
 //    whose pages (the upstream's 2 MiB granularity) are mapped when a block first needs them: one
 //    physical allocation per page in small arenas; in large ones one per group of pages (8 MiB by
 //    default) while whole groups fit, and one per 2 MiB page within 1% of the cap, so that in the
-//    tight case a block pins no more than it touches (page_map.hpp: units). A block is placed in its
-//    free block where it needs the fewest unmapped pages (Pool::place). Free pages anywhere in
+//    tight case a block pins no more than it touches (page_map.hpp: units). When the best fit needs
+//    pages mapped, a larger free block that needs fewer takes the block (Pool::fewest_unmapped_fit),
+//    and within its free block it goes where it needs the fewest (Pool::place). Free pages anywhere in
 //    it can be unmapped, so free memory in the middle of a region goes back to the device
 //    ("reserved" = mapped pages).
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.

@@ -1,5 +1,6 @@
-// Placing a block and mapping its pages on a paged upstream: where in its free block a block goes
-// (Pool::place, the fewest unmapped pages), which physical units back it (ensure_mapped: whole groups
+// Placing a block and mapping its pages on a paged upstream: which free block takes it when the best
+// fit needs pages mapped (Pool::fewest_unmapped_fit), where in its free block it goes (Pool::place,
+// the fewest unmapped pages), which physical units back it (ensure_mapped: whole groups
 // of pages while they fit, single device pages near the cap; page_map.hpp says what a unit is), and
 // the span events of maps and unmaps (SegmentEvent). pool.hpp lists every file.
 #include <algorithm>

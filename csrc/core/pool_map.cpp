@@ -28,17 +28,19 @@ static std::size_t pages_pinned(const PageMap& pages, const Block* b, std::size_
   const PageRun touched = pages.touched(b->address, rounded);
   const PageRun whole_block = pages.touched(b->address, b->size);
   const std::size_t first = b->prev && b->address % pages.page() ? touched.first + 1 : touched.first;
-  const std::size_t block_end = b->next && (b->address + b->size) % pages.page() ? whole_block.end - 1 : whole_block.end;
+  const bool shares_last = b->next && (b->address + b->size) % pages.page() != 0;
+  const std::size_t block_end = shares_last ? whole_block.end - 1 : whole_block.end;
   const std::size_t end = std::min(touched.end, block_end);
   return end > first ? end - first : 0;
 }
 
 // A page pinned beyond the best fit's counts as this many pages to map: a larger free block is taken
-// when the mapping it saves outweighs the pages it pins. Measured on six recorded traces (CPU replay
-// at 1.02x and at the lowest 0-OOM capacity, README): with 16, the bytes remapped at the cap fall as
-// far as with no weight on BERT inference (-67%, -49%) and by 8-24% on generation and checkpointed
-// training, and the lowest 0-OOM capacity of BERT stays under 1.01x (1.0092; 1.0129 with no weight,
-// 1.0073 without this choice); generation's rises from 1.0079x to 1.0111x.
+// when the mapping it saves outweighs the pages it pins. Chosen on the traces of bench/traces and the
+// bundled ones (bench/remap_at_cap.py: CPU replay at 1.02x and the lowest 0-OOM capacity; README):
+// with 16, the bytes remapped at the cap fall as far as with no weight on BERT inference (-67%, -49%)
+// and by 8-24% on generation and checkpointed training, and the lowest 0-OOM capacity of BERT stays
+// under 1.01x (1.0092; 1.0129 with no weight, 1.0073 without this choice); generation's rises from
+// 1.0079x to 1.0111x; the other traces do not change.
 constexpr std::size_t kPinnedPageWeight = 16;
 
 // Which free block of the arena takes `rounded` bytes: the best fit (`best`, the smallest that fits),

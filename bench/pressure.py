@@ -1,7 +1,8 @@
 """Under memory pressure: the lowest cap at which each allocator runs each workload without an OOM.
 
     python bench/pressure.py [--workloads moe,bert] [--allocators native,expandable,gpumem] [--quick]
-                             [--json OUT.json] [--jobs 8] [--budget-s 420] [--dry-run] [--device cpu]
+                             [--repeats 3] [--json OUT.json] [--jobs 8] [--budget-s 420] [--dry-run]
+                             [--device cpu]
 
 For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
 vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
@@ -9,8 +10,10 @@ expandable, async; gpumem with each release policy: gpumem = release:lazy, gpume
 release:high_water; rmm where RAPIDS RMM imports), one process per run:
 
  1. uncapped, alone (timed): native first, whose peak allocated bytes are P; then the others. Each
-    gives its step time and max reserved / max allocated;
- 2. capped at 1.05 P, alone (timed): the step time under pressure, and the first point of the search;
+    gives its step time and max reserved / max allocated; --repeats R runs each R times, interleaved
+    across the allocators, and shows the median step time;
+ 2. capped at 1.05 P, alone (timed, R times likewise): the step time under pressure, and the first
+    point of the search;
  3. the lowest cap k (in units of P, set with torch.cuda.set_per_process_memory_fraction(k P / total))
     at which the whole run has 0 OOM steps, to --tolerance (0.25% of P): rounds of trials in parallel
     on the same GPU (caps are per process; the trials' caps plus each one's CUDA context stay under
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -199,23 +203,47 @@ def passed(result: dict) -> bool:
 # ----------------------------------------------------------------------------- one workload
 
 
+def repeat_timed(workload: str, allocators: list, cap, rows: dict, runner: Runner, repeats: int) -> dict:
+    """The timed run (uncapped: cap None, or at `cap`) `repeats - 1` more times per allocator, interleaved
+    (a, b, c, a, b, c, ...) so that a drift of the machine touches every allocator alike; each row's step
+    time becomes the median of all its runs, and the runs are kept (``*_step_ms_runs``) for the spread.
+    Returns each allocator's extra results."""
+    key = "uncapped_step_ms" if cap is None else "capped_step_ms"
+    runs = {a: [rows[a].get(key)] for a in allocators}
+    extra = {a: [] for a in allocators}
+    for _ in range(repeats - 1):
+        for a in allocators:
+            r = runner.alone(Trial(workload, a, cap, False))
+            extra[a].append(r)
+            runs[a].append(r.get("step_ms"))
+    for a in allocators:
+        times = sorted(t for t in runs[a] if t is not None)
+        rows[a][key + "_runs"] = runs[a]
+        if times:
+            rows[a][key] = statistics.median(times)
+    return extra
+
+
 def measure(workload: str, allocators: list, runner: Runner, args, deadline: float) -> dict:
     rows = {a: dict(workload=workload, allocator=a) for a in allocators}
     first = "native" if "native" in allocators else allocators[0]
-    for a in [first] + [a for a in allocators if a != first]:
+    order = [first] + [a for a in allocators if a != first]
+    for a in order:
         r = runner.alone(Trial(workload, a, None, False))
         rows[a].update(uncapped_step_ms=r.get("step_ms"), uncapped_ooms=r.get("ooms"), error=r.get("error"),
                        max_allocated=r.get("max_allocated"), max_reserved=r.get("max_reserved"),
                        device=r.get("device"))
         if r.get("max_allocated") and r.get("max_reserved"):
             rows[a]["reserved_over_allocated"] = r["max_reserved"] / r["max_allocated"]
+        if a == first and args.device == "cpu":
+            break  # the workload's code once, tiny, no allocator: the other allocators would run the same
         if a == first:
             if r.get("error") or not r.get("max_allocated"):
-                if args.device == "cpu":
-                    return dict(rows=list(rows.values()))
                 raise SystemExit(f"{workload}: the uncapped {a} run gave no peak: {r.get('error')}")
             runner.peak[workload] = r["max_allocated"]
             runner.total = runner.total or r["total_bytes"]
+    ran = [a for a in order if "uncapped_step_ms" in rows[a] and not rows[a].get("error")]
+    repeat_timed(workload, ran, None, rows, runner, args.repeats)
     if args.device == "cpu":
         return dict(rows=list(rows.values()))
     P = runner.peak[workload]
@@ -230,6 +258,9 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
     # allocator, so it is not searched (its row shows the error).
     for a in [a for a in searches if rows[a].get("capped_error")]:
         del searches[a]
+    for a, extra in repeat_timed(workload, list(searches), TIMED_CAP, rows, runner, args.repeats).items():
+        if any(not passed(r) for r in extra):  # an OOM in any of the timed runs fails the point
+            searches[a].record(TIMED_CAP, False)
     rounds = 0
     while any(not s.done() for s in searches.values()) and time.monotonic() < deadline:
         active = [a for a, s in searches.items() if not s.done()]
@@ -310,6 +341,10 @@ def parse_args(argv=None):
                          "gpumem: GPUMEM_CONF=release:lazy; gpumem_hw: release:high_water")
     ap.add_argument("--quick", action="store_true", help="half the steps, a 1%% tolerance")
     ap.add_argument("--tolerance", type=float, default=None, help="search resolution in units of P (0.0025)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs (uncapped, and at 1.05x) per allocator, interleaved; the median is "
+                         "shown, every run kept in the JSON (default 1; step-time differences of a few %% "
+                         "need 3 or more: two runs of one allocator can differ by 10%%)")
     ap.add_argument("--jobs", type=int, default=8, help="trials at once on the GPU, at most")
     ap.add_argument("--budget-s", type=float, default=420, help="no new search round after this many seconds")
     ap.add_argument("--json", help="write every figure and trial to this file")
@@ -336,6 +371,8 @@ def parse_args(argv=None):
         ap.error("--tolerance must be in (0, 1)")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     return args
 
 
@@ -343,9 +380,10 @@ def plan(args) -> str:
     lines = [f"device {args.device}; workloads {', '.join(args.workloads)}; allocators "
              f"{', '.join(args.allocators)}{' (+rmm if it imports)' if args.rmm_auto else ''}"]
     for w in args.workloads:
-        lines.append(f"{w}: uncapped alone x{len(args.allocators)} (native first: P)"
+        runs = len(args.allocators) * args.repeats
+        lines.append(f"{w}: uncapped alone x{runs} (native first: P)"
                      + ("" if args.device == "cpu" else
-                        f"; {TIMED_CAP}x P alone x{len(args.allocators)}; bisection of the 0-OOM cap in "
+                        f"; {TIMED_CAP}x P alone x{runs}; bisection of the 0-OOM cap in "
                         f"[{FLOOR}, 0.9 total / P] to {args.tolerance:g} P, up to {args.jobs} trials at once"))
     lines.append(f"no new round after {args.budget_s:g} s" + ("; --quick: half the steps" if args.quick else ""))
     return "\n".join(lines)

@@ -35,6 +35,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     (["--allocators", "native,jemalloc"], "unknown allocator(s) ['jemalloc']"),
     (["--tolerance", "0"], "--tolerance must be in (0, 1)"),
     (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_bad_arguments_are_refused(args, message):
     r = run("--dry-run", *args)
@@ -51,6 +52,19 @@ def test_every_workload_runs_tiny_on_the_cpu(tmp_path):
         row = doc["results"][w]["rows"][0]
         assert row["error"] is None and row["uncapped_ooms"] == 0 and row["uncapped_step_ms"] > 0, (w, row)
     assert "0-OOM cap" in r.stdout
+
+
+def test_repeats_time_the_runs_again_and_keep_the_median(tmp_path):
+    out = tmp_path / "cpu.json"
+    r = run("--device", "cpu", "--workloads", "allocfree", "--allocators", "native,gpumem", "--repeats", "3",
+            "--json", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    native = doc["results"]["allocfree"]["rows"][0]  # on the CPU only the first allocator runs (no allocator)
+    runs = native["uncapped_step_ms_runs"]
+    assert len(runs) == 3 and all(t > 0 for t in runs), native
+    assert native["uncapped_step_ms"] == sorted(runs)[1]
+    assert [t["allocator"] for t in doc["trials"]] == ["native"] * 3
 
 
 def search_until_done(threshold, tolerance=0.0025, per_round=4, first=None, ceiling=6.0):

@@ -115,10 +115,15 @@ TEST(a_block_takes_a_larger_mapped_hole_over_a_best_fit_that_needs_pages_mapped)
   CHECK_EQ(cur(s.pool->stats().reserved_bytes), reserved);
   CHECK_EQ(s.pool->stats().num_device_alloc, maps);
   check_clean(*s.pool, *s.dev);
-  // The unmapped hole still serves what only it can hold: 20 MiB does not fit the mapped rest.
+  // The mapped rest, [38, 62) MiB, takes the next request that fits it, again mapping nothing.
   std::uintptr_t e = s.pool->allocate(20 * MiB, 0);
-  CHECK_EQ(e, a);
+  CHECK_EQ(e, b + 16 * MiB);
+  CHECK_EQ(s.pool->stats().num_device_alloc, maps);
+  // 18 MiB fits no mapped block: the best fit, the unmapped hole, needs no more pages than the free
+  // tail would, so it keeps the request.
+  std::uintptr_t f = s.pool->allocate(18 * MiB, 0);
+  CHECK_EQ(f, a);
   check_clean(*s.pool, *s.dev);
-  for (std::uintptr_t p : {d, e, sep1, sep2}) s.pool->free(p);
+  for (std::uintptr_t p : {d, e, f, sep1, sep2}) s.pool->free(p);
   check_empty_after_trim(*s.pool, *s.dev);
 }

@@ -21,11 +21,9 @@ Pool::ExportedBlock Pool::export_block(std::uintptr_t address) {
   const PageMap& pages = r->pages;
   // The units under the block (page_map.hpp): one file descriptor per physical allocation, all of one
   // size for the importer (cuda_import_pages maps them at one page size).
-  const PageRun run = pages.widened(pages.touched(block->address, block->size));
   const PageRun touched = pages.touched(block->address, block->size);
-  const bool coarse = pages.coarse(touched.first);
-  const PageRun units = coarse ? run : touched;
-  if (pages.next_uniform_run(units.first, units.end).end != units.end || pages.coarse(units.first) != coarse)
+  const PageRun units = pages.coarse(touched.first) ? pages.widened(touched) : touched;
+  if (pages.next_uniform_run(units.first, units.end).end != units.end)
     throw UpstreamError("gpumem: cannot export this block: it lies on physical pages of two sizes (some "
                         "mapped near the cap one device page at a time); set the pool's page size to the "
                         "device's granularity (page_size:2MiB) to share such blocks");

@@ -9,15 +9,21 @@
 
 namespace gpumem {
 
-// How many unmapped pages the free block at [address, address + size) needs for `rounded` bytes where
-// place() would put them: its start, or its end when the block is a hole between other blocks and the
-// end needs fewer.
-static std::size_t unmapped_pages_needed(const PageMap& pages, std::uintptr_t address, std::size_t size,
-                                         bool hole, std::size_t rounded) {
-  if (pages.below_mapped_limit(address, rounded)) return 0;
-  const std::size_t at_start = pages.count_unmapped(pages.touched(address, rounded));
-  if (at_start == 0 || !hole || size == rounded) return at_start;
-  return std::min(at_start, pages.count_unmapped(pages.touched(address + size - rounded, rounded)));
+// Where place() puts `rounded` bytes in the free block `b`, and how many unmapped pages that needs:
+// at its start, unless `b` is a hole between other blocks (not a region's free tail) whose start lies
+// on unmapped pages and whose end needs fewer of them mapped: then at its end. The one rule of place()
+// and fewest_unmapped_fit(); costs one comparison when the start lies below mapped_limit.
+struct Placement {
+  bool at_end;
+  std::size_t unmapped;
+};
+template <typename Block>
+static Placement placement_in(const PageMap& pages, const Block* b, std::size_t rounded) {
+  if (pages.below_mapped_limit(b->address, rounded)) return {false, 0};
+  const std::size_t at_start = pages.count_unmapped(pages.touched(b->address, rounded));
+  if (at_start == 0 || !b->next || b->size == rounded) return {false, at_start};
+  const std::size_t at_end = pages.count_unmapped(pages.touched(b->address + b->size - rounded, rounded));
+  return at_end < at_start ? Placement{true, at_end} : Placement{false, at_start};
 }
 
 // How many pages `rounded` bytes at the start of the free block `b` pin that no neighbour pins already:
@@ -56,9 +62,7 @@ constexpr std::size_t kPinnedPageWeight = 16;
 Pool::Block* Pool::fewest_unmapped_fit(const Arena& arena, Block* best, std::size_t rounded) const {
   if (!best->region->paged) return best;  // a paged arena has one region: all its blocks are paged
   const PageMap& pages = best->region->pages;
-  auto needed = [&](const Block* b) {
-    return unmapped_pages_needed(pages, b->address, b->size, b->next != nullptr, rounded);
-  };
+  auto needed = [&](const Block* b) { return placement_in(pages, b, rounded).unmapped; };
   std::size_t fewest = needed(best);
   if (fewest == 0) return best;  // the fast path: one comparison (below_mapped_limit)
   const std::size_t best_pins = pages_pinned(pages, best, rounded);
@@ -78,23 +82,15 @@ Pool::Block* Pool::fewest_unmapped_fit(const Arena& arena, Block* best, std::siz
 }
 
 // Where in `block` (free, out of the free index, larger than or equal to `rounded`) the allocation
-// goes; returns it, allocated and split to `rounded`. At the block's start, unless the block is a hole
-// between other blocks (not a region's free tail) whose start lies on unmapped pages (pages released
-// from between live blocks: the high-water policy, or near the cap) and whose end needs fewer of them
-// mapped: then at its end. A block placed so that it straddles the fewest unmapped pages maps less
-// and leaves the mapped pages it did not take free where they are (measured: 20% fewer upstream calls
-// with release:high_water on gpt_varlen, README). Costs one comparison on the fast path.
+// goes (placement_in: its start, or the end of a hole when that needs fewer unmapped pages); returns
+// it, allocated and split to `rounded`. A block placed so that it straddles the fewest unmapped pages
+// maps less and leaves the mapped pages it did not take free where they are (measured: 20% fewer
+// upstream calls with release:high_water on gpt_varlen, README). Costs one comparison on the fast path.
 Pool::Block* Pool::place(Arena& arena, Block* block, std::size_t rounded) {
   const Region* region = block->region;
-  if (region->paged && block->next && block->size > rounded &&
-      !region->pages.below_mapped_limit(block->address, rounded)) {
-    const PageMap& pages = region->pages;
-    const std::uintptr_t end = block->address + block->size - rounded;
-    if (pages.count_unmapped(pages.touched(end, rounded)) <
-        pages.count_unmapped(pages.touched(block->address, rounded))) {
-      arena.free_blocks.insert(block);  // carve takes it out of the index again
-      return carve(block, end, rounded);
-    }
+  if (region->paged && placement_in(region->pages, block, rounded).at_end) {
+    arena.free_blocks.insert(block);  // carve takes it out of the index again
+    return carve(block, block->address + block->size - rounded, rounded);
   }
   block->state = BlockInfo::kAllocated;  // before split, so the remainder does not merge back
   split(block, rounded);

@@ -10,7 +10,6 @@ Bytes mapped beyond the uncapped figure are pages given back and mapped again be
 each such page is a driver call on the GPU (and, when its last use may still be running, a wait).
 """
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -19,21 +18,17 @@ HERE = Path(__file__).resolve().parent
 
 
 def measure(trace: str, release: str, factors=(1.02, 1.05)) -> dict:
-    from gpumem import _C
+    from gpumem.replay import min_capacity, replay
 
-    replay = importlib.import_module("gpumem.replay")  # the module (gpumem.replay is also a function)
-    loaded = replay._load(Path(trace))
-    peak = replay.replay(trace, release=release).peak_live_bytes
+    uncapped = replay(trace, release=release)
+    peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, peak_live_bytes=peak)
-    for factor in (None, *factors):
-        device = _C.SimulatedDevice("vmm", int(factor * peak) if factor else replay.DEFAULT_CAPACITY)
-        pool = _C.Pool(device, release=release, page_size=_C.DEFAULT_PAGE_SIZE)
-        result = _C.replay(loaded, pool, None)
-        key = f"x{factor}" if factor else "uncapped"
-        row[key] = dict(mapped_bytes=pool.stats()["reserved_bytes"]["all"]["allocated"],
-                        upstream_calls=result["upstream_calls"], ooms=result["ooms"],
-                        fragmentation=result["fragmentation"])
-    row["min_capacity"] = replay.min_capacity(trace, release=release).ratio
+    reports = [("uncapped", uncapped)] + [
+        (f"x{factor}", replay(trace, release=release, capacity=int(factor * peak))) for factor in factors]
+    for key, report in reports:
+        row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,
+                        ooms=report.ooms, fragmentation=report.fragmentation)
+    row["min_capacity"] = min_capacity(trace, release=release).ratio
     return row
 
 
@@ -44,9 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--release", default="lazy", choices=("lazy", "high_water"))
     ap.add_argument("--json", action="store_true", help="one JSON line per trace instead of the table")
     args = ap.parse_args(argv)
-    replay = importlib.import_module("gpumem.replay")
+    from gpumem.replay import bundled_traces
+
     traces = args.traces or sorted(str(p) for p in (HERE / "traces").glob("*.trace.gz")) + \
-        [str(p) for p in replay.bundled_traces()]
+        [str(p) for p in bundled_traces()]
     if not args.json:
         print(f"{'trace':11s} {'GiB mapped: uncapped':>20s} {'1.02x':>7s} {'1.05x':>7s}   "
               f"{'calls: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'OOMs':>4s}  min capacity")

@@ -39,6 +39,7 @@ class ReplayReport:
     peak_reserved_bytes: int
     fragmentation: float
     upstream_calls: int
+    mapped_bytes: int  # reserved bytes ever taken (the first mapping and every map after a release)
     ns_per_pair: float
     ooms: int
     first_oom: str
@@ -96,6 +97,7 @@ def replay(
         allocations=loaded.allocations,
         **{k: result[k] for k in ("peak_live_bytes", "peak_reserved_bytes", "fragmentation",
                                   "upstream_calls", "ns_per_pair", "ooms", "first_oom")},
+        mapped_bytes=pool.stats()["reserved_bytes"]["all"]["allocated"],
     )
 
 

@@ -96,6 +96,9 @@ def test_page_sizes_change_the_trade_off_and_bad_ones_are_refused():
     large = gpumem.replay(bundled_traces()[1], page_size=32 << 20)
     assert small.ooms == large.ooms == 0
     assert small.upstream_calls > large.upstream_calls  # bigger pages: fewer driver calls
+    # ...and far fewer physical allocations (uncapped, each unit is made once and none released):
+    # the driver's cost goes by units, whatever their size.
+    assert small.physical_units >= large.physical_units * 4 > 0
     with pytest.raises(ValueError, match="not a multiple of the device's 2.00 MiB granularity"):
         gpumem.replay(bundled_traces()[1], page_size=3 << 20)
 

@@ -188,7 +188,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("fail_every") = 0, py::arg("fail_probability") = 0.0, py::arg("fail_unmap") = false,
            py::arg("seed") = 1)
       .def_property_readonly("faults_injected", &SimulatedDevice::faults_injected)
-      .def_property_readonly("used_bytes", &SimulatedDevice::used_bytes);
+      .def_property_readonly("used_bytes", &SimulatedDevice::used_bytes)
+      .def_property_readonly("physical_allocations", &SimulatedDevice::physical_allocations,
+                             "Physical allocations made so far (a map of n units counts n, a segment 1).")
+      .def_property_readonly("physical_releases", &SimulatedDevice::physical_releases,
+                             "Physical allocations released so far.");
 
   m.def("cuda_upstreams_built", &cuda_upstreams_built);
   m.def("cuda_available", &cuda_available);

@@ -6,6 +6,7 @@
 // mark_unmapped). Pages are indexed from the region's base; a PageRun is a half-open range of them.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -58,6 +59,11 @@ class PageMap {
   // The pages [address, address + bytes) touches, partly or wholly (bytes > 0, inside the region).
   PageRun touched(std::uintptr_t address, std::size_t bytes) const {
     return PageRun{(address - base_) / page_, (address + bytes - 1 - base_) / page_ + 1};
+  }
+  // The pages wholly inside [address, address + bytes) (bytes > 0, inside the region); empty when none.
+  PageRun covered(std::uintptr_t address, std::size_t bytes) const {
+    const std::size_t first = (address - base_ + page_ - 1) / page_;
+    return PageRun{first, std::max(first, (address + bytes - base_) / page_)};
   }
   // The pages wholly inside [address, address + bytes) that lie below mapped_limit: those that can be
   // unmapped under a free block of that range. Empty when there are none.

@@ -1,7 +1,8 @@
 // Placing a block and mapping its pages on a paged upstream: which free block takes it when the best
 // fit needs pages mapped (Pool::fewest_unmapped_fit), where in its free block it goes (Pool::place,
-// the fewest unmapped pages), which physical units back it (ensure_mapped: whole groups
-// of pages while they fit, single device pages near the cap; page_map.hpp says what a unit is), and
+// the fewest unmapped pages), which physical units back it (ensure_mapped: whole groups of pages
+// while they fit; near the cap, single device pages except the groups the block covers whole;
+// page_map.hpp says what a unit is), and
 // the span events of maps and unmaps (SegmentEvent). pool.hpp lists every file.
 #include <algorithm>
 
@@ -103,8 +104,9 @@ Pool::Block* Pool::place(Arena& arena, Block* block, std::size_t rounded) {
 // pages), each group the block touches that is wholly unmapped is mapped whole, as one physical
 // allocation, when all of them fit without releasing anything (under the cap, the limit and the
 // high-water allowance); otherwise only the pages the block touches are mapped, one device page
-// each, so that near the cap a block reserves at most 2 MiB past its end instead of up to 8 MiB, and
-// the pages it pins can be given back one by one.
+// each except the groups it covers whole (one group unit each), so that near the cap a block
+// reserves at most 2 MiB past its end instead of up to 8 MiB, and the pages it shares with its
+// neighbours can be given back one by one.
 bool Pool::ensure_mapped(Block* block) {
   Region* region = block->region;
   PageMap& pages = region->pages;
@@ -164,12 +166,27 @@ bool Pool::ensure_mapped(Block* block) {
     return true;
   };
   if (whole_groups && map_groups()) return true;
-  // Single pages: near the cap, or the device refused a whole group (short of memory below the cap:
-  // other processes, or a cap above the device). What the block still needs, page by page.
+  // Near the cap, or the device refused a whole group (short of memory below the cap: other
+  // processes, or a cap above the device): what the block still needs, page by page, except the
+  // groups the block covers whole, which go as one group unit each. The block pins every page of
+  // those anyway, and the driver's work goes by units, not bytes: creating, mapping and giving access
+  // to a unit, then unmapping and releasing it, costs about 60 us for 2 MiB and for 20 MiB alike
+  // (H100). Under the cap, where pages are remapped every step, that was most of a step's time.
   if (whole_groups && !make_room(pages.count_unmapped(touched) * pages.page())) return false;
+  const PageRun covered = pages.covered(block->address, block->size);
+  auto whole_group_at = [&](std::size_t p, std::size_t run_end) {
+    return group > 1 && p % group == 0 && p >= covered.first && p + group <= std::min(run_end, covered.end);
+  };
   for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
-       run = pages.next_unmapped_run(run.end, touched.end))
-    if (!map_run(run, false)) return false;
+       run = pages.next_unmapped_run(run.end, touched.end)) {
+    for (std::size_t p = run.first; p < run.end;) {
+      const bool coarse = whole_group_at(p, run.end);
+      std::size_t end = p + (coarse ? group : 1);
+      while (end < run.end && whole_group_at(end, run.end) == coarse) end += coarse ? group : 1;
+      if (!map_run({p, end}, coarse)) return false;
+      p = end;
+    }
+  }
   return true;
 }
 

@@ -53,6 +53,7 @@ std::uintptr_t SimulatedDevice::allocate_segment(std::size_t bytes) {
   next_address_ += bytes;
   segments_[address] = bytes;
   used_ += bytes;
+  ++physical_allocations_;
   return address;
 }
 
@@ -65,6 +66,7 @@ void SimulatedDevice::free_segment(std::uintptr_t address, std::size_t bytes) {
     throw UpstreamError("simulated device: injected failure in free_segment");
   }
   used_ -= bytes;
+  ++physical_releases_;
   segments_.erase(it);
 }
 
@@ -112,6 +114,7 @@ bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes, std::size_t
   for (std::size_t p = first; p < end; ++p)
     mapped[p] = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
   used_ += bytes;
+  physical_allocations_ += bytes / page;
   return true;
 }
 
@@ -135,6 +138,7 @@ void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes, std::size
   }
   for (std::size_t p = first; p < end; ++p) mapped[p] = 0;
   used_ -= bytes;
+  physical_releases_ += bytes / page;
 }
 
 EventId SimulatedDevice::record_event(StreamId stream) {

@@ -1,6 +1,6 @@
 // pool_tests, continued: the physical units of large arenas (page_map.hpp) and where a block is placed
 // in its free block (Pool::place). Far from the cap a large arena maps whole 8 MiB groups; within 1%
-// of the cap single 2 MiB pages; pages go back only as the units they were mapped as (the simulated
+// of the cap single 2 MiB pages, except the groups a block covers whole; pages go back only as the units they were mapped as (the simulated
 // device refuses to unmap part of a physical allocation); a block goes where it needs the fewest
 // unmapped pages.
 #include <cstdint>
@@ -57,6 +57,24 @@ TEST(near_the_cap_large_arenas_map_single_pages_and_give_back_units_as_mapped) {
   for (std::size_t i = 0; i < blocks.size(); ++i)
     if (i != 5) s.pool->free(blocks[i]);
   check_empty_after_trim(*s.pool, *s.dev);  // the device checks every unmap was of whole units
+}
+
+TEST(near_the_cap_a_block_maps_the_groups_it_covers_whole_as_group_units) {
+  // Cap 80 MiB: whole groups fit up to 79.2 MiB. x (60 MiB) takes eight whole groups, [0, 64) MiB.
+  // y (14 MiB) at [60, 74) needs [64, 74): whole groups would reach 80 MiB, so only what it touches
+  // is mapped, but the group [64, 72) lies wholly inside y: one group unit, then one single page.
+  Setup s = grouped(1024 * MiB, 80 * MiB);
+  std::uintptr_t x = s.pool->allocate(60 * MiB, 0);
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(8));
+  std::uintptr_t y = s.pool->allocate(14 * MiB, 0);
+  CHECK_EQ(y, x + 60 * MiB);
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(74 * MiB));
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(10));  // 8 + one group + one page, not 8 + 5
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(y);
+  s.pool->free(x);
+  check_empty_after_trim(*s.pool, *s.dev);  // each unit went back whole, as it was mapped
+  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(10));
 }
 
 TEST(a_capped_pool_fits_what_whole_groups_would_not) {

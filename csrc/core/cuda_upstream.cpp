@@ -221,12 +221,8 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     };
     for (std::uintptr_t a = address; a < address + bytes; a += page) {
       CUmemGenericAllocationHandle handle;
-      CUresult r = driver().cuMemCreate(&handle, page, &prop_, 0);
-      if ((r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) &&
-          prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
-        prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;  // no IPC here; plain pages still work
-        r = driver().cuMemCreate(&handle, page, &prop_, 0);
-      }
+      CUresult r = take_kept(page, &handle) ? CUDA_SUCCESS : create(page, &handle);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY && release_kept()) r = create(page, &handle);  // kept units of other sizes held it
       if (r == CUDA_ERROR_OUT_OF_MEMORY) {
         undo();
         return false;
@@ -259,6 +255,19 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     for (std::uintptr_t a = address; a < address + bytes; a += page) unmap_page(a);
   }
 
+  void keep_released_units(bool on) override {
+    keep_ = on;
+    if (!on && !kept_.empty()) {
+      ContextScope scope(context_);
+      release_kept();
+    }
+  }
+
+  ~CudaVmmUpstream() override {
+    keep_ = false;
+    for (const Kept& k : kept_) driver().cuMemRelease(k.handle);  // the pool released its pages already
+  }
+
   std::vector<int> export_pages(std::uintptr_t address, std::size_t count, std::size_t page) override {
     if (!exportable_)
       throw UpstreamError("gpumem: this pool's pages were created without a shareable handle "
@@ -286,12 +295,54 @@ class CudaVmmUpstream : public CudaUpstreamBase {
   }
 
  private:
+  CUresult create(std::size_t page, CUmemGenericAllocationHandle* handle) {
+    CUresult r = driver().cuMemCreate(handle, page, &prop_, 0);
+    if ((r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) &&
+        prop_.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
+      prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;  // no IPC here; plain pages still work
+      r = driver().cuMemCreate(handle, page, &prop_, 0);
+    }
+    return r;
+  }
+
+  bool take_kept(std::size_t page, CUmemGenericAllocationHandle* handle) {
+    for (std::size_t i = kept_.size(); i-- > 0;) {
+      if (kept_[i].bytes != page) continue;
+      *handle = kept_[i].handle;
+      kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
+      return true;
+    }
+    return false;
+  }
+
+  // Releases every kept unit; true when there were any. Throws the first driver error after trying all.
+  bool release_kept() {
+    if (kept_.empty()) return false;
+    CUresult first_error = CUDA_SUCCESS;
+    for (const Kept& k : kept_) {
+      const CUresult r = driver().cuMemRelease(k.handle);
+      if (r != CUDA_SUCCESS && first_error == CUDA_SUCCESS) first_error = r;
+    }
+    kept_.clear();
+    check(first_error, "cuMemRelease");
+    return true;
+  }
+
   void unmap_page(std::uintptr_t a) {
     auto it = handles_.find(a);
     if (it == handles_.end()) throw UpstreamError("gpumem: unmap of a page that gpumem never mapped");
     check(driver().cuMemUnmap(static_cast<CUdeviceptr>(a), it->second.bytes), "cuMemUnmap");
-    check(driver().cuMemRelease(it->second.handle), "cuMemRelease");
-    if (it->second.fd >= 0) ::close(it->second.fd);
+    // A page shared with another process (exported) is never reused here: that process may still
+    // map its memory. Others are kept while the pool asks (keep_released_units).
+    if (keep_ && it->second.fd < 0) {
+      kept_.push_back(Kept{it->second.handle, it->second.bytes});
+    } else {
+      if (it->second.fd >= 0) ::close(it->second.fd);
+      const CUmemGenericAllocationHandle handle = it->second.handle;
+      handles_.erase(it);
+      check(driver().cuMemRelease(handle), "cuMemRelease");
+      return;
+    }
     handles_.erase(it);
   }
 
@@ -305,6 +356,13 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     int fd;  // exported file descriptor (export_pages), -1 until the page is first shared
   };
   std::unordered_map<std::uintptr_t, Mapping> handles_;  // by page address
+  // Units unmapped while keep_ was on, not yet mapped again or released (they hold device memory).
+  struct Kept {
+    CUmemGenericAllocationHandle handle;
+    std::size_t bytes;
+  };
+  bool keep_ = false;
+  std::vector<Kept> kept_;
 };
 
 }  // namespace

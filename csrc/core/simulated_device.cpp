@@ -109,12 +109,22 @@ bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes, std::size_t
   const std::size_t end = first + bytes / page_size_, unit = page / page_size_;
   for (std::size_t p = first; p < std::min(end, mapped.size()); ++p)
     if (mapped[p]) throw std::logic_error("simulated device: page mapped twice");
-  if (inject_fault() || used_ + bytes > capacity_) return false;
+  if (inject_fault()) return false;
+  // Kept units of this size are mapped again; the rest are new physical allocations. Short of room,
+  // the device releases what is kept first, as the CUDA upstream does.
+  std::uint64_t reused = std::min<std::uint64_t>(kept_[page], bytes / page);
+  if (used_ + (bytes - reused * page) > capacity_) {
+    release_kept();
+    reused = 0;
+    if (used_ + bytes > capacity_) return false;
+  }
+  kept_[page] -= reused;
+  const std::size_t fresh = bytes - reused * page;
   if (mapped.size() < end) mapped.resize(end, 0);
   for (std::size_t p = first; p < end; ++p)
     mapped[p] = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
-  used_ += bytes;
-  physical_allocations_ += bytes / page;
+  used_ += fresh;
+  physical_allocations_ += fresh / page;
   return true;
 }
 
@@ -137,8 +147,31 @@ void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes, std::size
     throw UpstreamError("simulated device: injected failure in unmap");
   }
   for (std::size_t p = first; p < end; ++p) mapped[p] = 0;
+  if (keep_) {
+    kept_[page] += bytes / page;  // still held: used_ unchanged
+    return;
+  }
   used_ -= bytes;
   physical_releases_ += bytes / page;
+}
+
+void SimulatedDevice::keep_released_units(bool on) {
+  keep_ = on;
+  if (!on) release_kept();
+}
+
+void SimulatedDevice::release_kept() {
+  for (auto& [unit_bytes, count] : kept_) {
+    used_ -= unit_bytes * count;
+    physical_releases_ += count;
+    count = 0;
+  }
+}
+
+std::uint64_t SimulatedDevice::kept_units() const {
+  std::uint64_t n = 0;
+  for (const auto& entry : kept_) n += entry.second;
+  return n;
 }
 
 EventId SimulatedDevice::record_event(StreamId stream) {

@@ -37,6 +37,7 @@ class SimulatedDevice : public Upstream {
   void release_address_range(std::uintptr_t address, std::size_t bytes) override;
   bool map(std::uintptr_t address, std::size_t bytes, std::size_t page) override;
   void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override;
+  void keep_released_units(bool on) override;
 
   EventId record_event(StreamId stream) override;
   bool event_completed(EventId event) override;
@@ -60,8 +61,10 @@ class SimulatedDevice : public Upstream {
   // Physical allocations made and released so far (a map of n units counts n, a segment 1): what a
   // real driver pays for per unit, whatever its size (cuMemCreate + cuMemMap + cuMemSetAccess, then
   // cuMemUnmap + cuMemRelease: about 60 us per unit of 2-20 MiB on an H100, README).
+  // A unit kept by keep_released_units and mapped again counts as neither.
   std::uint64_t physical_allocations() const { return physical_allocations_; }
   std::uint64_t physical_releases() const { return physical_releases_; }
+  std::uint64_t kept_units() const;  // units unmapped and kept, not yet mapped again or released
 
  private:
   bool inject_fault();
@@ -93,6 +96,9 @@ class SimulatedDevice : public Upstream {
   std::uint64_t memory_calls_ = 0;
   std::uint64_t physical_allocations_ = 0;
   std::uint64_t physical_releases_ = 0;
+  bool keep_ = false;
+  std::map<std::size_t, std::uint64_t> kept_;  // kept units by bytes (they count in used_)
+  void release_kept();
   std::uint64_t faults_injected_ = 0;
 };
 

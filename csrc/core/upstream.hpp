@@ -42,6 +42,12 @@ class Upstream {
   // page as the map() that mapped the range.
   virtual bool map(std::uintptr_t address, std::size_t bytes, std::size_t page);
   virtual void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page);
+  // kPages: while on, unmap() keeps the physical allocations of the units it unmaps (they still hold
+  // device memory) and map() takes kept ones of its unit size before creating any; turning it off
+  // releases those still kept. The pool turns it on while it maps a block, whose room it may make by
+  // unmapping other pages: a unit moved this way skips the driver's create and release, a third of
+  // what remapping a unit costs (pool_map.cpp). Off by default; upstreams that cannot keep ignore it.
+  virtual void keep_released_units(bool on) { (void)on; }
   // kPages: file descriptors of the physical pages of [address, address + count * page) (mapped by
   // map() with that page), which another process can import (CUDA IPC). They stay open, owned by the
   // upstream, until the pages are unmapped. @throws UpstreamError when the pages cannot be exported.
@@ -80,6 +86,7 @@ class ForwardingUpstream : public Upstream {
   void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
     inner_->unmap(address, bytes, page);
   }
+  void keep_released_units(bool on) override { inner_->keep_released_units(on); }
   std::vector<int> export_pages(std::uintptr_t address, std::size_t count, std::size_t page) override {
     return inner_->export_pages(address, count, page);
   }

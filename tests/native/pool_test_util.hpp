@@ -26,6 +26,7 @@ inline std::int64_t cur(const StatArray& a) { return a[kAggregate].current; }
 inline void check_clean(const Pool& pool, const SimulatedDevice& dev) {
   pool.validate();
   CHECK_EQ(static_cast<std::int64_t>(dev.used_bytes()), cur(pool.stats().reserved_bytes));
+  CHECK_EQ(dev.kept_units(), std::uint64_t(0));  // units kept for a map never outlive it
 }
 
 // Everything freed and trimmed: the device must hold nothing.

@@ -77,6 +77,50 @@ TEST(near_the_cap_a_block_maps_the_groups_it_covers_whole_as_group_units) {
   CHECK_EQ(s.dev->physical_releases(), std::uint64_t(10));
 }
 
+TEST(units_released_to_make_room_for_a_block_back_it_without_new_physical_allocations) {
+  // Cap 40 MiB, lazy. a and b take two group units each, [0, 32) MiB. a is freed (cached). c (20 MiB)
+  // goes at [32, 52): under the cap that needs a's two units released; they are kept and back c's
+  // two whole groups [32, 48), and only its last two pages are new allocations.
+  Setup s = grouped(1024 * MiB, 40 * MiB);
+  std::uintptr_t a = s.pool->allocate(16 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(16 * MiB, 0);
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(4));
+  s.pool->free(a);
+  std::uintptr_t c = s.pool->allocate(20 * MiB, 0);
+  CHECK_EQ(c, b + 16 * MiB);
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(36 * MiB));
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(6));  // 4 + c's two single pages
+  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(0));     // a's units moved, not released
+  check_clean(*s.pool, *s.dev);  // nothing kept past the allocation; the device holds what is reserved
+  s.pool->free(b);
+  s.pool->free(c);
+  check_empty_after_trim(*s.pool, *s.dev);
+  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(6));
+}
+
+TEST(kept_units_go_back_when_the_device_needs_their_memory_for_units_of_another_size) {
+  // A 40 MiB device, no cap. a: one group unit [0, 8). b (31 MiB) at [8, 39): three whole groups, then
+  // single pages up to 40 MiB (within 1% of the device). a is freed; d (8.5 MiB, too large for a's
+  // hole) goes at [39, 47.5): it covers no whole group, so it needs four single pages [40, 48) while
+  // the device is full. a's group is released to make room and kept, but no single page can use it:
+  // the device, short of memory, must get it released first instead of failing.
+  Setup s = grouped(40 * MiB, 0);
+  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(31 * MiB, 0);
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(8));  // 1 + 3 groups + 4 pages
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(a);
+  std::uintptr_t d = s.pool->allocate(8 * MiB + 512 * KiB, 0);
+  CHECK_EQ(d, b + 31 * MiB);
+  CHECK_EQ(s.pool->stats().num_ooms, std::int64_t(0));
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(12));
+  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(1));  // a's group, kept, then released for d's pages
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(b);
+  s.pool->free(d);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
 TEST(a_capped_pool_fits_what_whole_groups_would_not) {
   // 9 blocks of 10 MiB under a 92 MiB cap: with whole 8 MiB groups only, the ninth, [80, 90) MiB,
   // would need the group [88, 96): 96 MiB, past the cap with nothing to release, an OOM. Near the cap

@@ -9,8 +9,8 @@
 //    whose pages (the upstream's 2 MiB granularity) are mapped when a block first needs them: one
 //    physical allocation per page in small arenas; in large ones one per group of pages (8 MiB by
 //    default) while whole groups fit, and within 1% of the cap one per 2 MiB page except the groups
-//    a block covers whole, so that in the tight case a block pins no more than it touches
-//    (page_map.hpp: units). Units unmapped to make room for a block are kept for its map
+//    a block of 256 MiB or more covers whole, so that in the tight case a block pins no more than it
+//    touches (page_map.hpp: units). Units unmapped to make room for a block are kept for its map
 //    (Upstream::keep_released_units) rather than released and created again. When the best fit needs
 //    pages mapped, a larger free block that needs fewer takes the block (Pool::fewest_unmapped_fit),
 //    and within its free block it goes where it needs the fewest (Pool::place). Free pages anywhere in

@@ -1,7 +1,7 @@
 // Placing a block and mapping its pages on a paged upstream: which free block takes it when the best
 // fit needs pages mapped (Pool::fewest_unmapped_fit), where in its free block it goes (Pool::place,
 // the fewest unmapped pages), which physical units back it (ensure_mapped: whole groups of pages
-// while they fit; near the cap, single device pages except the groups the block covers whole;
+// while they fit; near the cap, single device pages except the groups a large block covers whole;
 // page_map.hpp says what a unit is), and
 // the span events of maps and unmaps (SegmentEvent). pool.hpp lists every file.
 #include <algorithm>
@@ -98,15 +98,16 @@ Pool::Block* Pool::place(Arena& arena, Block* block, std::size_t rounded) {
   return block;
 }
 
-// Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
-// mapped and accounted as reserved; the caller returns the block to the free set.
-// Placement of physical memory (page_map.hpp, units): in a region with groups (a large arena's 8 MiB
-// pages), each group the block touches that is wholly unmapped is mapped whole, as one physical
-// allocation, when all of them fit without releasing anything (under the cap, the limit and the
-// high-water allowance); otherwise only the pages the block touches are mapped, one device page
-// each except the groups it covers whole (one group unit each), so that near the cap a block
-// reserves at most 2 MiB past its end instead of up to 8 MiB, and the pages it shares with its
-// neighbours can be given back one by one.
+// The smallest block whose wholly covered groups are mapped as group units near the cap. A group freed
+// and then reused in part by smaller blocks stays pinned whole, so this costs fit where smaller
+// blocks refill the space of freed ones: on the CPU replay (bench/remap_at_cap.py) with every block,
+// the lowest 0-OOM capacity of GPT-2 generation rose from 1.0111x to 1.0175x, and on the GPU (H100)
+// its batch search's verification at the limit ran out of memory (find_batch_size: 872 instead of
+// 1260). From 256 MiB up: 1.0111x, and 1260 verified on the GPU, while BERT inference, whose large
+// blocks are the ones remapped, makes 1,245 units at 1.02x (1,068 with every block; its step at the
+// cap: 0.170 s, 0.139-0.145 s with every block).
+constexpr std::size_t kCoveredGroupsMinBytes = 256 * MiB;
+
 namespace {
 // While a block is mapped, units unmapped to make room for it keep their physical allocations, which
 // its map takes before creating new ones (Upstream::keep_released_units); those it does not take go
@@ -131,6 +132,16 @@ class KeepReleasedUnits {
 };
 }  // namespace
 
+// Maps every page the (already allocated) block touches. On failure the pages mapped so far stay
+// mapped and accounted as reserved; the caller returns the block to the free set.
+// Placement of physical memory (page_map.hpp, units): in a region with groups (a large arena's 8 MiB
+// pages), each group the block touches that is wholly unmapped is mapped whole, as one physical
+// allocation, when all of them fit without releasing anything (under the cap, the limit and the
+// high-water allowance); otherwise only the pages the block touches are mapped, one device page
+// each except, in a block of kCoveredGroupsMinBytes or more, the groups it covers whole (one group
+// unit each), so that near the cap a block reserves at most 2 MiB past its end instead of up to
+// 8 MiB, and the pages it shares with its neighbours can be given back one by one. Units unmapped
+// meanwhile to make room are kept for this block's map (KeepReleasedUnits).
 bool Pool::ensure_mapped(Block* block) {
   Region* region = block->region;
   PageMap& pages = region->pages;
@@ -192,15 +203,17 @@ bool Pool::ensure_mapped(Block* block) {
   };
   if (whole_groups && map_groups()) return true;
   // Near the cap, or the device refused a whole group (short of memory below the cap: other
-  // processes, or a cap above the device): what the block still needs, page by page, except the
-  // groups the block covers whole, which go as one group unit each. The block pins every page of
-  // those anyway, and the driver's work goes by units, not bytes: creating, mapping and giving access
-  // to a unit, then unmapping and releasing it, costs about 60 us for 2 MiB and for 20 MiB alike
-  // (H100). Under the cap, where pages are remapped every step, that was most of a step's time.
+  // processes, or a cap above the device): what the block still needs, page by page, except, in a
+  // block that covers at least kCoveredGroupsMinBytes, the groups it covers whole, which go as one
+  // group unit each. The block pins every page of those anyway, and the driver's work goes by units,
+  // not bytes: creating, mapping and giving access to a unit, then unmapping and releasing it, costs
+  // about 60 us for 2 MiB and for 20 MiB alike (H100). Under the cap, where pages are remapped every
+  // step, that was most of a step's time.
   if (whole_groups && !make_room(pages.count_unmapped(touched) * pages.page())) return false;
   const PageRun covered = pages.covered(block->address, block->size);
+  const bool big_enough = pages.bytes_of(covered) >= kCoveredGroupsMinBytes;
   auto whole_group_at = [&](std::size_t p, std::size_t run_end) {
-    return group > 1 && p % group == 0 && p >= covered.first && p + group <= std::min(run_end, covered.end);
+    return big_enough && group > 1 && p % group == 0 && p >= covered.first && p + group <= std::min(run_end, covered.end);
   };
   for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
        run = pages.next_unmapped_run(run.end, touched.end)) {

@@ -1,8 +1,9 @@
 // pool_tests, continued: the physical units of large arenas (page_map.hpp) and where a block is placed
 // in its free block (Pool::place). Far from the cap a large arena maps whole 8 MiB groups; within 1%
-// of the cap single 2 MiB pages, except the groups a block covers whole; pages go back only as the units they were mapped as (the simulated
-// device refuses to unmap part of a physical allocation); a block goes where it needs the fewest
-// unmapped pages.
+// of the cap single 2 MiB pages, except the groups a block of 256 MiB or more covers whole; pages go
+// back only as the units they were mapped as (the simulated device refuses to unmap part of a
+// physical allocation) and, unmapped to make room for a block, back it without a new allocation; a
+// block goes where it needs the fewest unmapped pages.
 #include <cstdint>
 #include <vector>
 
@@ -60,60 +61,63 @@ TEST(near_the_cap_large_arenas_map_single_pages_and_give_back_units_as_mapped) {
 }
 
 TEST(near_the_cap_a_block_maps_the_groups_it_covers_whole_as_group_units) {
-  // Cap 80 MiB: whole groups fit up to 79.2 MiB. x (60 MiB) takes eight whole groups, [0, 64) MiB.
-  // y (14 MiB) at [60, 74) needs [64, 74): whole groups would reach 80 MiB, so only what it touches
-  // is mapped, but the group [64, 72) lies wholly inside y: one group unit, then one single page.
-  Setup s = grouped(1024 * MiB, 80 * MiB);
-  std::uintptr_t x = s.pool->allocate(60 * MiB, 0);
-  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(8));
-  std::uintptr_t y = s.pool->allocate(14 * MiB, 0);
-  CHECK_EQ(y, x + 60 * MiB);
-  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(74 * MiB));
-  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(10));  // 8 + one group + one page, not 8 + 5
+  // Cap 400 MiB: whole groups fit up to 396 MiB. x (100 MiB) takes 13 whole groups, [0, 104) MiB.
+  // y (294 MiB, at least 256 MiB: kCoveredGroupsMinBytes) at [100, 394) needs [104, 394): whole
+  // groups would reach 400 MiB, so only what it touches is mapped, but the 36 groups [104, 392) lie
+  // wholly inside y: one unit each, then one single page [392, 394).
+  Setup s = grouped(1024 * MiB, 400 * MiB);
+  std::uintptr_t x = s.pool->allocate(100 * MiB, 0);
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(13));
+  std::uintptr_t y = s.pool->allocate(294 * MiB, 0);
+  CHECK_EQ(y, x + 100 * MiB);
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(394 * MiB));
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(13 + 36 + 1));  // not 13 + 145 single pages
   check_clean(*s.pool, *s.dev);
   s.pool->free(y);
   s.pool->free(x);
   check_empty_after_trim(*s.pool, *s.dev);  // each unit went back whole, as it was mapped
-  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(10));
+  CHECK_EQ(s.dev->physical_releases(), s.dev->physical_allocations());
 }
 
 TEST(units_released_to_make_room_for_a_block_back_it_without_new_physical_allocations) {
-  // Cap 40 MiB, lazy. a and b take two group units each, [0, 32) MiB. a is freed (cached). c (20 MiB)
-  // goes at [32, 52): under the cap that needs a's two units released; they are kept and back c's
-  // two whole groups [32, 48), and only its last two pages are new allocations.
-  Setup s = grouped(1024 * MiB, 40 * MiB);
-  std::uintptr_t a = s.pool->allocate(16 * MiB, 0);
+  // Cap 560 MiB, lazy. a (272 MiB) and b (16 MiB) take 34 + 2 group units, [0, 288) MiB. a is freed
+  // (cached). c (300 MiB) goes at [288, 588): under the cap that needs 28 MiB released, four of a's
+  // groups; they are kept and back four of the 37 groups c covers whole, so c makes 33 new group
+  // units and two single pages [584, 588), and nothing is released.
+  Setup s = grouped(1024 * MiB, 560 * MiB);
+  std::uintptr_t a = s.pool->allocate(272 * MiB, 0);
   std::uintptr_t b = s.pool->allocate(16 * MiB, 0);
-  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(4));
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(36));
   s.pool->free(a);
-  std::uintptr_t c = s.pool->allocate(20 * MiB, 0);
+  std::uintptr_t c = s.pool->allocate(300 * MiB, 0);
   CHECK_EQ(c, b + 16 * MiB);
-  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(36 * MiB));
-  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(6));  // 4 + c's two single pages
-  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(0));     // a's units moved, not released
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(556 * MiB));
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(36 + 33 + 2));
+  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(0));  // a's four units moved, not released
   check_clean(*s.pool, *s.dev);  // nothing kept past the allocation; the device holds what is reserved
   s.pool->free(b);
   s.pool->free(c);
   check_empty_after_trim(*s.pool, *s.dev);
-  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(6));
+  CHECK_EQ(s.dev->physical_releases(), std::uint64_t(36 + 33 + 2));
 }
 
 TEST(kept_units_go_back_when_the_device_needs_their_memory_for_units_of_another_size) {
-  // A 40 MiB device, no cap. a: one group unit [0, 8). b (31 MiB) at [8, 39): three whole groups, then
-  // single pages up to 40 MiB (within 1% of the device). a is freed; d (8.5 MiB, too large for a's
-  // hole) goes at [39, 47.5): it covers no whole group, so it needs four single pages [40, 48) while
-  // the device is full. a's group is released to make room and kept, but no single page can use it:
-  // the device, short of memory, must get it released first instead of failing.
+  // A 40 MiB device, no cap. a: one group unit [0, 8). b (31 MiB) at [8, 39): within 1% of the device
+  // and below kCoveredGroupsMinBytes, so 16 single pages up to 40 MiB, even over the three groups it
+  // covers whole. a is freed; d (8.5 MiB, too large for a's hole) goes at [39, 47.5): it needs four
+  // single pages [40, 48) while the device is full. a's group is released to make room and kept, but
+  // no single page can use it: the device, short of memory, must get it released first instead of
+  // failing.
   Setup s = grouped(40 * MiB, 0);
   std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
   std::uintptr_t b = s.pool->allocate(31 * MiB, 0);
-  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(8));  // 1 + 3 groups + 4 pages
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(17));  // 1 group + 16 pages
   check_clean(*s.pool, *s.dev);
   s.pool->free(a);
   std::uintptr_t d = s.pool->allocate(8 * MiB + 512 * KiB, 0);
   CHECK_EQ(d, b + 31 * MiB);
   CHECK_EQ(s.pool->stats().num_ooms, std::int64_t(0));
-  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(12));
+  CHECK_EQ(s.dev->physical_allocations(), std::uint64_t(21));
   CHECK_EQ(s.dev->physical_releases(), std::uint64_t(1));  // a's group, kept, then released for d's pages
   check_clean(*s.pool, *s.dev);
   s.pool->free(b);

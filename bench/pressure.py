@@ -217,7 +217,7 @@ def repeat_timed(workload: str, allocators: list, cap, rows: dict, runner: Runne
             extra[a].append(r)
             runs[a].append(r.get("step_ms"))
     for a in allocators:
-        times = sorted(t for t in runs[a] if t is not None)
+        times = [t for t in runs[a] if t is not None]
         rows[a][key + "_runs"] = runs[a]
         if times:
             rows[a][key] = statistics.median(times)

@@ -24,12 +24,6 @@ PageRun PageMap::next_uniform_run(std::size_t from, std::size_t end) const {
   return PageRun{run.first, last};
 }
 
-PageRun PageMap::inside(std::uintptr_t address, std::size_t bytes) const {
-  const std::size_t first = (address - base_ + page_ - 1) / page_;
-  const std::size_t end = std::min((address + bytes - base_) / page_, mapped_limit_);
-  return PageRun{first, std::max(first, end)};
-}
-
 std::size_t PageMap::count_unmapped(PageRun run) const {
   std::size_t mapped = 0;
   for (std::size_t p = run.first; p < std::min(run.end, mapped_.size()); ++p) mapped += mapped_[p] != kUnmapped;

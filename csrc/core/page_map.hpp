@@ -67,7 +67,10 @@ class PageMap {
   }
   // The pages wholly inside [address, address + bytes) that lie below mapped_limit: those that can be
   // unmapped under a free block of that range. Empty when there are none.
-  PageRun inside(std::uintptr_t address, std::size_t bytes) const;
+  PageRun inside(std::uintptr_t address, std::size_t bytes) const {
+    const PageRun all = covered(address, bytes);
+    return PageRun{all.first, std::max(all.first, std::min(all.end, mapped_limit_))};
+  }
 
   std::size_t count_unmapped(PageRun run) const;
   // The first run of unmapped (mapped) pages in [from, end), as long as it goes before `end`; an empty

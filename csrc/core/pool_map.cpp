@@ -213,7 +213,8 @@ bool Pool::ensure_mapped(Block* block) {
   const PageRun covered = pages.covered(block->address, block->size);
   const bool big_enough = pages.bytes_of(covered) >= kCoveredGroupsMinBytes;
   auto whole_group_at = [&](std::size_t p, std::size_t run_end) {
-    return big_enough && group > 1 && p % group == 0 && p >= covered.first && p + group <= std::min(run_end, covered.end);
+    return big_enough && group > 1 && p % group == 0 && p >= covered.first &&
+           p + group <= std::min(run_end, covered.end);
   };
   for (PageRun run = pages.next_unmapped_run(touched.first, touched.end); !run.empty();
        run = pages.next_unmapped_run(run.end, touched.end)) {

@@ -44,10 +44,12 @@ Pool::~Pool() {
     } catch (...) {
     }
   }
-  for (auto& draining : draining_) {  // their pages are still mapped: unmapped below with the rest
-    try {
-      upstream_->destroy_event(draining.event);
-    } catch (...) {
+  for (auto& arena : arenas_) {  // draining pages are still mapped: unmapped below with the rest
+    for (const Mark& mark : arena->marks) {
+      try {
+        upstream_->destroy_event(mark.event);
+      } catch (...) {
+      }
     }
   }
   for (auto& arena : arenas_) {
@@ -323,6 +325,7 @@ void Pool::split(Block* block, std::size_t size) {
   rest->address = block->address + size;
   rest->size = block->size - size;
   rest->region = block->region;
+  rest->freed_seq = block->freed_seq;
   rest->prev = block;
   rest->next = block->next;
   if (block->next) block->next->prev = rest;
@@ -342,6 +345,7 @@ void Pool::insert_free(Block* block) {
     if (block->next) block->next->prev = p;
     // The merged block shows the just-freed block's last request, as PyTorch's merge does.
     if (block->last_requested) p->last_requested = block->last_requested;
+    p->freed_seq = std::max(p->freed_seq, block->freed_seq);
     delete_block(block);
     block = p;
   }
@@ -350,6 +354,7 @@ void Pool::insert_free(Block* block) {
     block->size += n->size;
     block->next = n->next;
     if (n->next) n->next->prev = block;
+    block->freed_seq = std::max(block->freed_seq, n->freed_seq);
     delete_block(n);
   }
   index.insert(block);
@@ -401,6 +406,7 @@ bool Pool::free_locked(std::uintptr_t address, std::size_t* freed_bytes) {
   update(stats_.requested_bytes, type,
          [&](Stat& s) { s.decrease(static_cast<std::int64_t>(block->requested)); });
   block->requested = 0;
+  block->freed_seq = ++free_seq_;  // its last use on its own stream is queued by now
   if (block->extra_streams.empty()) {
     return_to_arena(block);
     return true;

@@ -23,10 +23,13 @@
 //    Policy "high_water" also does this before reserving past the highest live bytes so far (plus a
 //    slack), keeping reserved within a page or two of live.
 //  - Releasing pages never synchronises the device (pool_drain.cpp): the pages are carved out of their
-//    free block as a "draining" block, tagged with an event recorded on the arena's stream, and
-//    unmapped once that event has completed (polled). Only an allocation that nothing else can serve
-//    waits, and then for the oldest draining event first (for all of them before its out-of-memory
-//    retry, so that the retry sees the released space as merged free blocks).
+//    free block as a "draining" block and unmapped once the device is past the block's last use: the
+//    first "mark" (an event recorded on the arena's stream) recorded after the block was freed. Pages
+//    freed before a mark that has completed go back at once; others drain behind the earliest mark
+//    recorded after their free (a new one only if there is none), polled, never waited for. Only an
+//    allocation that nothing else can serve waits, and then for the earliest such mark (for all of
+//    them before its out-of-memory retry, so that the retry sees the released space as merged free
+//    blocks).
 //  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.
@@ -258,6 +261,10 @@ class Pool {
     Block* prev = nullptr;  // address neighbours inside the region
     Block* next = nullptr;
     BlockInfo::State state = BlockInfo::kFree;
+    // Free blocks: the pool's free count (free_seq_) when the last block freed here was freed; the
+    // device is past every use of its pages once a mark of that count or later has completed. 0: no
+    // use since its pages were mapped. Merging keeps the larger count, splitting copies it.
+    std::uint64_t freed_seq = 0;
     std::uint32_t pending_events = 0;
     std::vector<StreamId> extra_streams;
     // Its neighbours in its arena's free index while free (a bin's or a size class's list).
@@ -273,21 +280,29 @@ class Pool {
     std::size_t reserved = 0;               // bytes backed by device memory
     Block* first = nullptr;
   };
+  // An event recorded on an arena's stream when the pool's free count was `seq`: once it has
+  // completed, the device is past the last use of every block freed by then (pool_drain.cpp).
+  struct Mark {
+    EventId event;
+    std::uint64_t seq;
+  };
   struct Arena {
     StreamId stream = 0;
     bool small = false;
     std::vector<std::unique_ptr<Region>> regions;
     FreeIndex<Block> free_blocks;
+    std::deque<Mark> marks;      // recorded, not yet seen completed; oldest first (seq increasing)
+    std::uint64_t done_seq = 0;  // the seq of the last mark seen completed: blocks freed by then are done
   };
   struct PendingFree {
     Block* block;
     EventId event;
   };
-  // A draining block (whole mapped pages, out of the free index) and the event after which its pages
-  // can be unmapped. Oldest first.
+  // A draining block (whole mapped pages, out of the free index) and the mark of its arena after
+  // which its pages can be unmapped (done once the arena's done_seq reaches `seq`).
   struct Draining {
     Block* block;
-    EventId event;
+    std::uint64_t seq;
   };
 
   class ValidateOnReturn;  // the validate-every-op debug check (pool_debug.hpp)
@@ -318,15 +333,20 @@ class Pool {
   std::size_t release_cached(std::size_t target, bool rethrow = false);
   std::size_t release_cached_units(std::size_t target);
   std::size_t release_pages_of(Block* block, std::size_t target);
-  // pool_drain.cpp. Unmaps the draining blocks whose events have completed (never waits), and with
-  // `wait_oldest` first waits for the oldest one's event. Returns the bytes unmapped. A driver error
-  // on unmap leaves that block's pages mapped, as a free (cached) block; rethrown with `rethrow`.
+  // pool_drain.cpp. Unmaps the draining blocks whose marks have completed; with `wait_oldest`, when
+  // none has, first waits for the earliest mark one of them needs. Returns the bytes unmapped. A
+  // driver error on unmap leaves that block's pages mapped, as a free (cached) block; rethrown with
+  // `rethrow`.
   std::size_t reap_drained(bool wait_oldest, bool rethrow = false);
   // Waits for every draining block and unmaps it. Returns the bytes unmapped.
   std::size_t drain_all(bool rethrow = false);
+  // The seq of the mark after which pages of a block freed at `freed_seq` may be unmapped: done
+  // already, an earlier mark's, or a new mark recorded now (throws if recording fails).
+  std::uint64_t mark_after(Arena& arena, std::uint64_t freed_seq);
+  void poll_marks(Arena& arena);  // moves done_seq past the marks that have completed (never waits)
   // Takes the whole pages [address, address + bytes) out of the free block `free_block` holding them
-  // as a draining block tagged with `event`; the pieces before and after stay free.
-  Block* start_draining(Block* free_block, std::uintptr_t address, std::size_t bytes, EventId event);
+  // as a draining block behind the mark `seq`; the pieces before and after stay free.
+  Block* start_draining(Block* free_block, std::uintptr_t address, std::size_t bytes, std::uint64_t seq);
   void split(Block* block, std::size_t size);
   void insert_free(Block* block);
   void return_to_arena(Block* block);
@@ -372,6 +392,7 @@ class Pool {
   std::deque<PendingFree> pending_;
   std::deque<Draining> draining_;
   std::size_t draining_bytes_ = 0;  // bytes of the draining blocks (still mapped, still reserved)
+  std::uint64_t free_seq_ = 0;      // blocks freed so far (Block::freed_seq, Mark::seq)
   std::size_t live_high_water_ = 0;  // highest active bytes so far (not reset by reset_peak_stats)
   mutable DeviceStats stats_;
   std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap

@@ -110,6 +110,7 @@ Pool::Block* Pool::carve(Block* free_block, std::uintptr_t address, std::size_t 
     block->address = address;
     block->size = free_block->address + free_block->size - address;
     block->region = free_block->region;
+    block->freed_seq = free_block->freed_seq;
     block->prev = free_block;
     block->next = free_block->next;
     if (free_block->next) free_block->next->prev = block;

@@ -59,13 +59,15 @@ bool Pool::fits_without_release(std::size_t bytes) const {
 }
 
 // Starts draining the whole mapped pages inside a free block, up to `target` bytes: each run of them
-// becomes a draining block tagged with an event on the arena's stream, whose work so far includes the
-// block's last use (pool_drain.cpp unmaps it once the event has completed). Returns the bytes started.
+// becomes a draining block behind the mark after the block's last use (pool_drain.cpp unmaps it once
+// that mark has completed; at once if it has already). Returns the bytes started.
 std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
   Region* region = block->region;
   PageMap& pages = region->pages;
   const PageRun inside = pages.inside(block->address, block->size);
   std::size_t started = 0;
+  std::uint64_t seq = 0;
+  bool marked = false;
   for (PageRun run = pages.next_mapped_run(inside.first, inside.end); !run.empty() && started < target;
        run = pages.next_mapped_run(run.end, inside.end)) {
     // Only whole units go back (a group mapped as one allocation is unmapped whole), each draining
@@ -79,8 +81,11 @@ std::size_t Pool::release_pages_of(Block* block, std::size_t target) {
       units.end = units.first + count * (unit / pages.page());
       const std::uintptr_t address = pages.address_of(units.first);
       const std::size_t bytes = pages.bytes_of(units);
-      const EventId event = upstream_->record_event(region->arena->stream);  // throws: nothing changed
-      Block* drained = start_draining(block, address, bytes, event);
+      if (!marked) {  // one mark for the whole block: its pieces were freed together
+        seq = mark_after(*region->arena, block->freed_seq);  // throws: nothing changed
+        marked = true;
+      }
+      Block* drained = start_draining(block, address, bytes, seq);
       started += bytes;
       block = drained->next;  // the free rest after the units holds the next ones
       if (!block || block->state != BlockInfo::kFree) return started;

@@ -43,6 +43,7 @@ void Pool::validate_locked() const {
         if (b->prev != prev) fail("broken prev link");
         if (b->address != expect) fail("blocks overlap or leave a gap");
         if (b->size == 0 || b->size % kAlignment || b->address % kAlignment) fail("misaligned block");
+        if (b->freed_seq > free_seq_) fail("block freed later than the pool's free count");
         expect += b->size;
         if (b->state == BlockInfo::kFree) {
           free_seen++;
@@ -90,13 +91,25 @@ void Pool::validate_locked() const {
       if (expect != region->base + region->size) fail("blocks do not cover their region");
     }
     if (free_in_arena != arena->free_blocks.size()) fail("free index holds blocks not in any region");
+    std::uint64_t last_mark = arena->done_seq;
+    for (const Mark& m : arena->marks) {
+      if (m.seq <= last_mark || m.seq > free_seq_) fail("marks out of order or past the free count");
+      last_mark = m.seq;
+    }
     if (!arena->free_blocks.consistent()) fail("a free bin's or size class's list or bitmap is inconsistent");
   }
   if (live_seen != live_.size()) fail("address map holds blocks not in any region");
   if (draining_seen != draining_.size() || draining_bytes != draining_bytes_)
     fail("the draining list disagrees with the draining blocks");
-  for (auto& d : draining_)
+  for (auto& d : draining_) {
     if (d.block->state != BlockInfo::kDraining) fail("draining list holds a block that is not draining");
+    // Behind a mark of its arena still recorded, or one already seen completed.
+    const Arena& arena = *d.block->region->arena;
+    if (d.seq > arena.done_seq &&
+        std::none_of(arena.marks.begin(), arena.marks.end(), [&](const Mark& m) { return m.seq == d.seq; }))
+      fail("draining block behind a mark its arena does not have");
+    if (d.seq < d.block->freed_seq) fail("draining block behind a mark recorded before its free");
+  }
   std::size_t pending_blocks = 0;
   for (auto& p : pending_) pending_blocks += p.block->state == BlockInfo::kPending;
   if (pending_blocks < static_cast<std::size_t>(actives - allocations)) fail("pending block lost");

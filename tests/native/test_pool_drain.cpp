@@ -1,7 +1,9 @@
 // pool_tests: releasing pages without synchronising the device (core/pool_drain.cpp). On a simulated
 // device whose streams run behind the host (auto_complete off), released pages drain: they stay
 // mapped and reserved until an event on their stream completes, the high-water policy never waits
-// for them, and a cap waits only for the oldest draining event of the stream that used them.
+// for them, and a cap waits only for the oldest draining event of the stream that used them. Pages
+// drain behind the first mark (an event on their stream) recorded after their block was freed: no
+// later work is waited for, and pages freed before a completed mark go back at once.
 #include <cstdint>
 
 #include "pool_test_util.hpp"
@@ -72,4 +74,51 @@ TEST(draining_events_complete_one_by_one_and_trim_waits_for_the_rest) {
   CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));
   check_clean(*s.pool, *s.dev);
   CHECK_EQ(s.dev->used_bytes(), std::size_t(0));
+}
+
+TEST(pages_freed_before_a_completed_mark_go_back_at_once_without_waiting_for_later_work) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 32 * MiB, ReleasePolicy::kLazy);
+  s.dev->set_auto_complete(false);
+  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t x = s.pool->allocate(4 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t y = s.pool->allocate(4 * MiB, 0);
+  s.pool->free(a);
+  s.pool->free(b);
+  std::uintptr_t c = s.pool->allocate(14 * MiB, 0);  // past the cap: 6 MiB drain behind a new mark
+  CHECK_EQ(s.pool->stats().num_sync_all_streams, std::int64_t(1));  // the cap waited for it
+  const EventId later = s.dev->record_event(0);  // work queued after the mark, not yet done
+  std::uintptr_t d = s.pool->allocate(10 * MiB, 0);  // the 10 MiB still free of a and b go back
+  DeviceStats st = s.pool->stats();
+  CHECK_EQ(st.num_sync_all_streams, std::int64_t(1));  // no new wait: they were freed before the mark
+  CHECK(!s.dev->event_completed(later));              // and the later work was not waited for
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));
+  CHECK_EQ(cur(st.reserved_bytes), std::int64_t(32 * MiB));
+  check_clean(*s.pool, *s.dev);
+  s.dev->destroy_event(later);
+  for (std::uintptr_t p : {x, y, c, d}) s.pool->free(p);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(pages_drain_behind_the_earliest_mark_after_their_free_not_a_new_one) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
+  s.dev->set_auto_complete(false);
+  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t x = s.pool->allocate(4 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t y = s.pool->allocate(4 * MiB, 0);
+  s.pool->free(a);
+  s.pool->free(b);
+  std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: pages of a and b drain
+  CHECK(s.pool->draining_bytes() > 0);
+  CHECK(s.pool->draining_bytes() < std::size_t(16 * MiB));  // some of them are still cached
+  const EventId later = s.dev->record_event(0);             // work queued after that mark
+  s.pool->set_cap(24 * MiB);  // the rest of a and b must go: behind the same mark, which it waits for
+  CHECK(!s.dev->event_completed(later));  // the later work was not waited for
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(20 * MiB));  // x, y and c's pages only
+  check_clean(*s.pool, *s.dev);
+  s.dev->destroy_event(later);
+  for (std::uintptr_t p : {x, y, c}) s.pool->free(p);
+  check_empty_after_trim(*s.pool, *s.dev);
 }

@@ -76,8 +76,12 @@ TEST(draining_events_complete_one_by_one_and_trim_waits_for_the_rest) {
   CHECK_EQ(s.dev->used_bytes(), std::size_t(0));
 }
 
-TEST(pages_freed_before_a_completed_mark_go_back_at_once_without_waiting_for_later_work) {
-  Setup s(UpstreamKind::kPages, 256 * MiB, 32 * MiB, ReleasePolicy::kLazy);
+// Streams behind the host; two 8 MiB blocks allocated and freed on stream 0 (frees 1 and 2), kept
+// apart by the live 4 MiB blocks x and y: [a 8 free][x 4][b 8 free][y 4].
+struct Holes {
+  std::uintptr_t x, y;
+};
+static Holes two_freed_holes(Setup& s) {
   s.dev->set_auto_complete(false);
   std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
   std::uintptr_t x = s.pool->allocate(4 * MiB, 0);
@@ -85,6 +89,12 @@ TEST(pages_freed_before_a_completed_mark_go_back_at_once_without_waiting_for_lat
   std::uintptr_t y = s.pool->allocate(4 * MiB, 0);
   s.pool->free(a);
   s.pool->free(b);
+  return {x, y};
+}
+
+TEST(pages_freed_before_a_completed_mark_go_back_at_once_without_waiting_for_later_work) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 32 * MiB, ReleasePolicy::kLazy);
+  const Holes h = two_freed_holes(s);
   std::uintptr_t c = s.pool->allocate(14 * MiB, 0);  // past the cap: 6 MiB drain behind a new mark
   CHECK_EQ(s.pool->stats().num_sync_all_streams, std::int64_t(1));  // the cap waited for it
   const EventId later = s.dev->record_event(0);  // work queued after the mark, not yet done
@@ -96,19 +106,13 @@ TEST(pages_freed_before_a_completed_mark_go_back_at_once_without_waiting_for_lat
   CHECK_EQ(cur(st.reserved_bytes), std::int64_t(32 * MiB));
   check_clean(*s.pool, *s.dev);
   s.dev->destroy_event(later);
-  for (std::uintptr_t p : {x, y, c, d}) s.pool->free(p);
+  for (std::uintptr_t p : {h.x, h.y, c, d}) s.pool->free(p);
   check_empty_after_trim(*s.pool, *s.dev);
 }
 
 TEST(pages_drain_behind_the_earliest_mark_after_their_free_not_a_new_one) {
   Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
-  s.dev->set_auto_complete(false);
-  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
-  std::uintptr_t x = s.pool->allocate(4 * MiB, 0);
-  std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
-  std::uintptr_t y = s.pool->allocate(4 * MiB, 0);
-  s.pool->free(a);
-  s.pool->free(b);
+  const Holes h = two_freed_holes(s);
   std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: pages of a and b drain
   CHECK(s.pool->draining_bytes() > 0);
   CHECK(s.pool->draining_bytes() < std::size_t(16 * MiB));  // some of them are still cached
@@ -119,6 +123,6 @@ TEST(pages_drain_behind_the_earliest_mark_after_their_free_not_a_new_one) {
   CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(20 * MiB));  // x, y and c's pages only
   check_clean(*s.pool, *s.dev);
   s.dev->destroy_event(later);
-  for (std::uintptr_t p : {x, y, c}) s.pool->free(p);
+  for (std::uintptr_t p : {h.x, h.y, c}) s.pool->free(p);
   check_empty_after_trim(*s.pool, *s.dev);
 }

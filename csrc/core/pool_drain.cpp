@@ -70,9 +70,14 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     // Its mark is still recorded (done_seq is below it): wait for it, the least wait that frees pages.
     const auto mark = std::find_if(arena.marks.begin(), arena.marks.end(),
                                    [&](const Mark& m) { return m.seq >= seq; });
-    upstream_->wait_event(mark->event);
+    if (mark != arena.marks.end()) {
+      upstream_->wait_event(mark->event);
+    } else {  // never (validate() checks that the mark is there); if it were, the stream is the bound
+      upstream_->synchronize(arena.stream);
+    }
     stats_.num_sync_all_streams++;
     poll_marks(arena);
+    arena.done_seq = std::max(arena.done_seq, seq);
   }
   std::size_t unmapped = 0;
   for (auto it = draining_.begin(); it != draining_.end();) {

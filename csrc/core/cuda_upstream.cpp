@@ -34,7 +34,7 @@ struct Driver {
   X(cuMemFree) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease)           \
   X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAllocationGranularity) X(cuEventCreate)    \
   X(cuEventRecord) X(cuEventQuery) X(cuEventDestroy) X(cuEventSynchronize) X(cuStreamSynchronize)                          \
-  X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)
+  X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemRetainAllocationHandle)
   GPUMEM_DRIVER_FNS(GPUMEM_DRIVER_FN)
   bool loaded = false;
   std::string why_not;
@@ -238,7 +238,7 @@ class CudaVmmUpstream : public CudaUpstreamBase {
         if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
         fail(r, "cuMemMap");
       }
-      handles_[a] = Mapping{handle, page, -1};
+      handles_[a] = Mapping{handle, page, -1, false};
       done.push_back(a);
     }
     CUresult r = driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access_, 1);
@@ -253,6 +253,47 @@ class CudaVmmUpstream : public CudaUpstreamBase {
   void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
     ContextScope scope(context_);
     for (std::uintptr_t a = address; a < address + bytes; a += page) unmap_page(a);
+  }
+
+  // Each new mapping holds a reference of its own (cuMemRetainAllocationHandle), which its unmap
+  // releases: the memory goes back with the last mapping, whichever that is.
+  bool map_from(std::uintptr_t address, std::uintptr_t source, std::size_t bytes, std::size_t page) override {
+    for (std::uintptr_t s = source; s < source + bytes; s += page) {
+      auto it = handles_.find(s);
+      if (it == handles_.end() || it->second.bytes != page)
+        throw UpstreamError("gpumem: map_from of a page that gpumem did not map with that unit");
+      if (it->second.fd >= 0) return false;  // another process may map it: never shared here
+    }
+    ContextScope scope(context_);
+    std::vector<std::uintptr_t> done;
+    auto undo = [&] {
+      for (std::uintptr_t a : done) unmap_page(a);
+    };
+    for (std::size_t off = 0; off < bytes; off += page) {
+      CUmemGenericAllocationHandle handle;
+      CUresult r = driver().cuMemRetainAllocationHandle(&handle, reinterpret_cast<void*>(source + off));
+      if (r != CUDA_SUCCESS) {
+        undo();
+        fail(r, "cuMemRetainAllocationHandle");
+      }
+      r = driver().cuMemMap(static_cast<CUdeviceptr>(address + off), page, 0, handle, 0);
+      if (r != CUDA_SUCCESS) {
+        driver().cuMemRelease(handle);
+        undo();
+        if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;  // the pool maps new memory instead
+        fail(r, "cuMemMap");
+      }
+      handles_[address + off] = Mapping{handle, page, -1, true};
+      handles_[source + off].shared = true;
+      done.push_back(address + off);
+    }
+    const CUresult r = driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access_, 1);
+    if (r != CUDA_SUCCESS) {
+      undo();
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+      fail(r, "cuMemSetAccess");
+    }
+    return true;
   }
 
   void keep_released_units(bool on) override {
@@ -333,8 +374,9 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     if (it == handles_.end()) throw UpstreamError("gpumem: unmap of a page that gpumem never mapped");
     check(driver().cuMemUnmap(static_cast<CUdeviceptr>(a), it->second.bytes), "cuMemUnmap");
     // A page shared with another process (exported) is never reused here: that process may still
-    // map its memory. Others are kept while the pool asks (keep_released_units).
-    if (keep_ && it->second.fd < 0) {
+    // map its memory; nor is a unit mapped twice (map_from): the other mapping may still hold it.
+    // Others are kept while the pool asks (keep_released_units).
+    if (keep_ && it->second.fd < 0 && !it->second.shared) {
       kept_.push_back(Kept{it->second.handle, it->second.bytes});
     } else {
       if (it->second.fd >= 0) ::close(it->second.fd);
@@ -354,6 +396,7 @@ class CudaVmmUpstream : public CudaUpstreamBase {
     CUmemGenericAllocationHandle handle;
     std::size_t bytes;
     int fd;  // exported file descriptor (export_pages), -1 until the page is first shared
+    bool shared;  // mapped twice by map_from (now or before): released when unmapped, never kept
   };
   std::unordered_map<std::uintptr_t, Mapping> handles_;  // by page address
   // Units unmapped while keep_ was on, not yet mapped again or released (they hold device memory).

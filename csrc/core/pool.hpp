@@ -278,6 +278,9 @@ class Pool {
     bool paged = false;
     PageMap pages;                          // paged regions: which pages are mapped
     std::size_t reserved = 0;               // bytes backed by device memory
+    // Bytes of draining blocks whose units also back a block mapped from them (map_from_draining):
+    // mapped twice, counted once in `reserved` (mapped bytes - lent).
+    std::size_t lent = 0;
     Block* first = nullptr;
   };
   // An event recorded on an arena's stream when the pool's free count was `seq`: once it has
@@ -299,10 +302,12 @@ class Pool {
     EventId event;
   };
   // A draining block (whole mapped pages, out of the free index) and the mark of its arena after
-  // which its pages can be unmapped (done once the arena's done_seq reaches `seq`).
+  // which its pages can be unmapped (done once the arena's done_seq reaches `seq`). `lent`: its units
+  // back another block of the region as well (map_from_draining); unmapping it then frees nothing.
   struct Draining {
     Block* block;
     std::uint64_t seq;
+    bool lent = false;
   };
 
   class ValidateOnReturn;  // the validate-every-op debug check (pool_debug.hpp)
@@ -326,7 +331,9 @@ class Pool {
   Region* add_paged_region(Arena& arena);
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);
   bool ensure_mapped(Block* block);
-  bool make_room(std::size_t bytes);
+  // `lendable`: bytes of draining pages the caller will map from (map_from_draining) rather than
+  // wait for: they stay reserved, so they do not count as going back.
+  bool make_room(std::size_t bytes, std::size_t lendable = 0);
   // Whether `bytes` more reserved bytes fit under the cap, the limit and the high-water allowance
   // without releasing anything (pool_release.cpp).
   bool fits_without_release(std::size_t bytes) const;
@@ -340,6 +347,15 @@ class Pool {
   std::size_t reap_drained(bool wait_oldest, bool rethrow = false);
   // Waits for every draining block and unmaps it. Returns the bytes unmapped.
   std::size_t drain_all(bool rethrow = false);
+  // reap_drained(wait_oldest=true) when something is draining; false when nothing was or nothing left
+  // the draining list (a lent block whose unmap the driver refused stays in it), so loops end.
+  bool reap_waiting(std::size_t* unmapped = nullptr, bool rethrow = false);
+  // Draining pages of `region` not lent yet: what map_from_draining can take for a map there.
+  std::size_t lendable_bytes(const Region* region) const;
+  // Maps a prefix of the unmapped `run` of `region` (units of `unit` bytes) onto the units of
+  // draining blocks of the region (Upstream::map_from), without waiting for their marks: the region's
+  // stream uses the new block only after the draining block's last use. Returns the bytes mapped.
+  std::size_t map_from_draining(Region* region, PageRun run, std::size_t unit);
   // The seq of the mark after which pages of a block freed at `freed_seq` may be unmapped: done
   // already, an earlier mark's, or a new mark recorded now (throws if recording fails).
   std::uint64_t mark_after(Arena& arena, std::uint64_t freed_seq);

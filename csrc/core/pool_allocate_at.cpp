@@ -95,6 +95,10 @@ Pool::Block* Pool::free_block_holding(std::uintptr_t address, std::size_t rounde
                           ", freed but pending until work queued on other streams (record_stream) "
                           "completes; synchronise those streams and call process_events() first" +
                           unchanged);
+  if (conflict->state == BlockInfo::kDraining)  // drain_all() above waited: only a failed unmap is left
+    throw InvalidArgument(what + "overlaps pages " + range_text(conflict->address, conflict->size) +
+                          " on their way back to the device, which the driver refused to unmap (their "
+                          "memory backs another block as well); try again once the driver works" + unchanged);
   throw InvalidArgument(what + "overlaps the live block " + range_text(conflict->address, conflict->size) +
                         " (" + std::to_string(conflict->requested) + " bytes requested)" + unchanged);
 }

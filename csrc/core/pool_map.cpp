@@ -141,7 +141,8 @@ class KeepReleasedUnits {
 // each except, in a block of kCoveredGroupsMinBytes or more, the groups it covers whole (one group
 // unit each), so that near the cap a block reserves at most 2 MiB past its end instead of up to
 // 8 MiB, and the pages it shares with its neighbours can be given back one by one. Units unmapped
-// meanwhile to make room are kept for this block's map (KeepReleasedUnits).
+// meanwhile to make room are kept for this block's map (KeepReleasedUnits), and units of the region
+// still draining are mapped from first (map_from_draining): they need no room and no wait.
 bool Pool::ensure_mapped(Block* block) {
   Region* region = block->region;
   PageMap& pages = region->pages;
@@ -150,6 +151,18 @@ bool Pool::ensure_mapped(Block* block) {
   const std::size_t missing = pages.count_unmapped(touched);
   if (missing == 0) return true;
   KeepReleasedUnits keep(*upstream_);
+  // Room is made up front for what the draining pages of the region cannot back (their unit sizes
+  // may not match: then map_run makes room for the rest as it goes, so the cap always holds).
+  if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
+  const std::size_t lendable = draining_.empty() ? 0 : lendable_bytes(region);
+  auto less_lendable = [&](std::size_t bytes) { return bytes - std::min(bytes, lendable); };
+  std::size_t room = 0;   // new bytes the cap has room for (make_room)
+  std::size_t fresh = 0;  // new bytes mapped so far
+  auto make_room_for = [&](std::size_t bytes) {
+    if (!make_room(less_lendable(bytes), lendable)) return false;
+    room = fresh + less_lendable(bytes);
+    return true;
+  };
   const PageRun groups = pages.widened(touched);
   const std::size_t group = pages.group();
   bool whole_groups = false;
@@ -162,19 +175,28 @@ bool Pool::ensure_mapped(Block* block) {
       coarse_pages += n == group ? n : pages.count_unmapped({std::max(g, touched.first), std::min(g + group, touched.end)});
     }
     whole_groups = fits_without_release(coarse_pages * pages.page());
-    if (whole_groups && !make_room(coarse_pages * pages.page())) return false;
+    if (whole_groups && !make_room_for(coarse_pages * pages.page())) return false;
   }
-  if (!whole_groups && !make_room(missing * pages.page())) return false;
+  if (!whole_groups && !make_room_for(missing * pages.page())) return false;
   auto map_run = [&](PageRun run, bool coarse) {
+    const std::size_t unit = coarse ? group * pages.page() : pages.page();
+    if (!draining_.empty()) {  // make_room may have started more: any of the region's will do
+      run.first += map_from_draining(region, run, unit) / pages.page();
+      if (run.empty()) return true;
+    }
     const std::uintptr_t address = pages.address_of(run.first);
     const std::size_t bytes = pages.bytes_of(run);
-    const std::size_t unit = coarse ? group * pages.page() : pages.page();
+    // More new memory than room was made for (the draining pages did not match): room for it now.
+    if (fresh + bytes > room) {
+      if (!make_room(bytes)) return false;
+      room = fresh + bytes;
+    }
     // The device says no: pages still draining hold memory it will have back; wait for them, oldest
     // first, before giving up.
     while (!upstream_->map(address, bytes, unit)) {
-      if (draining_.empty()) return false;
-      reap_drained(/*wait_oldest=*/true);
+      if (!reap_waiting()) return false;
     }
+    fresh += bytes;
     stats_.num_device_alloc++;
     pages.mark_mapped(run, coarse);
     add_reserved(region, static_cast<std::int64_t>(bytes));
@@ -209,7 +231,7 @@ bool Pool::ensure_mapped(Block* block) {
   // not bytes: creating, mapping and giving access to a unit, then unmapping and releasing it, costs
   // about 60 us for 2 MiB and for 20 MiB alike (H100). Under the cap, where pages are remapped every
   // step, that was most of a step's time.
-  if (whole_groups && !make_room(pages.count_unmapped(touched) * pages.page())) return false;
+  if (whole_groups && !make_room_for(pages.count_unmapped(touched) * pages.page())) return false;
   const PageRun covered = pages.covered(block->address, block->size);
   const bool big_enough = pages.bytes_of(covered) >= kCoveredGroupsMinBytes;
   auto whole_group_at = [&](std::size_t p, std::size_t run_end) {

@@ -15,15 +15,17 @@ namespace gpumem {
 
 // Makes room for `bytes` more reserved bytes under the cap and, with the high-water policy, under the
 // live high water plus the slack (best effort: it starts pages draining and never waits for them).
-// False only when the cap cannot be met. Pages already draining count towards what is released; the
-// cap and the limit wait for them (oldest first) only when nothing else is left to release.
-bool Pool::make_room(std::size_t bytes) {
+// False only when the cap cannot be met. Pages already draining count towards what is released
+// (except the `lendable` ones the caller maps from); the cap and the limit wait for them (oldest
+// first) only when nothing else is left to release.
+bool Pool::make_room(std::size_t bytes, std::size_t lendable) {
   if (!growth_allowed_) return false;
   if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
   auto reserved = [&] { return static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current); };
-  // Releases what `short_of` says is missing beyond the pages already draining.
+  // Releases what is missing beyond the pages already draining that will go back.
   auto release = [&](std::size_t missing) {
-    if (missing > draining_bytes_) release_cached(missing - draining_bytes_);
+    const std::size_t going = draining_bytes_ - std::min(lendable, draining_bytes_);
+    if (missing > going) release_cached(missing - going);
   };
   const auto allowed =
       static_cast<std::size_t>(static_cast<double>(live_high_water_) * (1.0 + options_.release_slack));
@@ -32,12 +34,14 @@ bool Pool::make_room(std::size_t bytes) {
   const std::size_t cap = effective_cap_locked();
   auto over_cap = [&] { return reserved() + bytes > cap ? reserved() + bytes - cap : 0; };
   release(over_cap());
-  while (over_cap() && !draining_.empty()) reap_drained(/*wait_oldest=*/true);
+  while (over_cap() && reap_waiting()) {
+  }
   if (over_cap()) return false;
   // Pools sharing the budget hold memory too: this pool's own cache goes back first.
   if (!budget_->fits(bytes)) {
     release(budget_->excess(bytes));
-    while (!budget_->fits(bytes) && !draining_.empty()) reap_drained(/*wait_oldest=*/true);
+    while (!budget_->fits(bytes) && reap_waiting()) {
+    }
   }
   return budget_->fits(bytes);
 }

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <unordered_map>
 
 #include "pool.hpp"
 #include "pool_debug.hpp"
@@ -23,6 +24,7 @@ void Pool::validate_locked() const {
   std::int64_t allocated = 0, requested = 0, active = 0, reserved = 0, allocations = 0,
                actives = 0, segments = 0;
   std::size_t live_seen = 0, free_seen = 0, draining_seen = 0, draining_bytes = 0;
+  std::unordered_map<const Region*, std::size_t> lent_in;  // lent draining bytes by region
   for (auto& arena : arenas_) {
     std::size_t free_in_arena = 0;
     for (auto& region : arena->regions) {
@@ -32,6 +34,11 @@ void Pool::validate_locked() const {
       if (region->paged) {
         if (const char* wrong = region->pages.inconsistency()) fail(wrong);
         region_reserved = region->pages.mapped_bytes();
+        // Lent pages are mapped twice (the draining block and the block mapped from it).
+        if (region->lent > region_reserved) fail("region lends more bytes than it has mapped");
+        region_reserved -= region->lent;
+      } else if (region->lent) {
+        fail("a region of segments lends pages");
       }
       if (region_reserved != region->reserved) fail("region reserved bytes disagree with its pages");
 
@@ -54,7 +61,6 @@ void Pool::validate_locked() const {
             fail("free block carries allocation state");
         } else if (b->state == BlockInfo::kDraining) {
           draining_seen++;
-          draining_bytes += b->size;
           if (!region->paged) fail("draining block in a region of segments");
           const PageRun whole = region->pages.inside(b->address, b->size);
           if (whole.count() * region->pages.page() != b->size ||
@@ -99,10 +105,9 @@ void Pool::validate_locked() const {
     if (!arena->free_blocks.consistent()) fail("a free bin's or size class's list or bitmap is inconsistent");
   }
   if (live_seen != live_.size()) fail("address map holds blocks not in any region");
-  if (draining_seen != draining_.size() || draining_bytes != draining_bytes_)
-    fail("the draining list disagrees with the draining blocks");
   for (auto& d : draining_) {
     if (d.block->state != BlockInfo::kDraining) fail("draining list holds a block that is not draining");
+    (d.lent ? lent_in[d.block->region] : draining_bytes) += d.block->size;
     // Behind a mark of its arena still recorded, or one already seen completed.
     const Arena& arena = *d.block->region->arena;
     if (d.seq > arena.done_seq &&
@@ -110,6 +115,12 @@ void Pool::validate_locked() const {
       fail("draining block behind a mark its arena does not have");
     if (d.seq < d.block->freed_seq) fail("draining block behind a mark recorded before its free");
   }
+  if (draining_seen != draining_.size()) fail("the draining list disagrees with the draining blocks");
+  if (draining_bytes != draining_bytes_) fail("draining bytes disagree with the draining list");
+  for (auto& arena : arenas_)
+    for (auto& region : arena->regions)
+      if (region->lent != (lent_in.count(region.get()) ? lent_in[region.get()] : 0))
+        fail("a region's lent bytes disagree with its lent draining blocks");
   std::size_t pending_blocks = 0;
   for (auto& p : pending_) pending_blocks += p.block->state == BlockInfo::kPending;
   if (pending_blocks < static_cast<std::size_t>(actives - allocations)) fail("pending block lost");

@@ -134,25 +134,73 @@ void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes, std::size
   std::size_t first;
   auto& mapped = range_of(address, bytes, &first).mapped;
   const std::size_t end = first + bytes / page_size_, unit = page / page_size_;
-  if (end > mapped.size()) throw std::logic_error("simulated device: unmap of a page that is not mapped");
-  for (std::size_t p = first; p < end; ++p) {
-    if (!mapped[p]) throw std::logic_error("simulated device: unmap of a page that is not mapped");
-    // CUDA unmaps and releases whole physical allocations: the range must be made of them exactly.
-    const std::uint16_t expect = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
-    if (mapped[p] != expect || (p + 1 == end && p + 1 < mapped.size() && mapped[p + 1] == kMember))
-      throw std::logic_error("simulated device: unmap of part of a physical allocation, or with another page size");
-  }
+  check_whole_units(mapped, first, end, unit, "unmap");
   if (faults_.fail_unmap) {
     ++faults_injected_;
     throw UpstreamError("simulated device: injected failure in unmap");
   }
   for (std::size_t p = first; p < end; ++p) mapped[p] = 0;
-  if (keep_) {
-    kept_[page] += bytes / page;  // still held: used_ unchanged
-    return;
+  for (std::uintptr_t a = address; a < address + bytes; a += page) {
+    auto shared = shared_unit_at_.find(a);
+    if (shared != shared_unit_at_.end()) {
+      const std::uint64_t id = shared->second;
+      shared_unit_at_.erase(shared);
+      if (--shared_mappings_[id] > 0) continue;  // another mapping still holds the memory
+      shared_mappings_.erase(id);
+    } else if (keep_) {
+      kept_[page] += 1;  // still held: used_ unchanged
+      continue;
+    }
+    used_ -= page;
+    physical_releases_ += 1;
   }
-  used_ -= bytes;
-  physical_releases_ += bytes / page;
+}
+
+void SimulatedDevice::check_whole_units(const std::vector<std::uint16_t>& mapped, std::size_t first,
+                                        std::size_t end, std::size_t unit, const char* what) {
+  if (end > mapped.size())
+    throw std::logic_error(std::string("simulated device: ") + what + " of a page that is not mapped");
+  for (std::size_t p = first; p < end; ++p) {
+    if (!mapped[p]) throw std::logic_error(std::string("simulated device: ") + what + " of a page that is not mapped");
+    // CUDA unmaps and releases whole physical allocations: the range must be made of them exactly.
+    const std::uint16_t expect = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
+    if (mapped[p] != expect || (p + 1 == end && p + 1 < mapped.size() && mapped[p + 1] == kMember))
+      throw std::logic_error(std::string("simulated device: ") + what +
+                             " of part of a physical allocation, or with another page size");
+  }
+}
+
+bool SimulatedDevice::map_from(std::uintptr_t address, std::uintptr_t source, std::size_t bytes,
+                               std::size_t page) {
+  if (kind_ != UpstreamKind::kPages) return false;
+  if (page == 0 || page % page_size_ || bytes % page || page / page_size_ >= kMember)
+    throw std::logic_error("simulated device: map_from with a page that does not divide the range");
+  std::size_t source_first;
+  const auto& source_mapped = range_of(source, bytes, &source_first).mapped;
+  const std::size_t unit = page / page_size_;
+  check_whole_units(source_mapped, source_first, source_first + bytes / page_size_, unit, "map_from");
+  std::size_t first;
+  auto& mapped = range_of(address, bytes, &first).mapped;
+  const std::size_t end = first + bytes / page_size_;
+  for (std::size_t p = first; p < std::min(end, mapped.size()); ++p)
+    if (mapped[p]) throw std::logic_error("simulated device: page mapped twice");
+  if (mapped.size() < end) mapped.resize(end, 0);
+  for (std::size_t p = first; p < end; ++p)
+    mapped[p] = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
+  for (std::size_t off = 0; off < bytes; off += page) {
+    auto [it, added] = shared_unit_at_.try_emplace(source + off, next_shared_id_);
+    if (added) shared_mappings_[next_shared_id_++] = 1;
+    shared_unit_at_[address + off] = it->second;
+    ++shared_mappings_[it->second];
+  }
+  aliased_units_ += bytes / page;
+  return true;
+}
+
+std::size_t SimulatedDevice::units_mapped_twice() const {
+  std::size_t n = 0;
+  for (const auto& entry : shared_mappings_) n += entry.second > 1;
+  return n;
 }
 
 void SimulatedDevice::keep_released_units(bool on) {

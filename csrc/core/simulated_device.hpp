@@ -38,6 +38,7 @@ class SimulatedDevice : public Upstream {
   bool map(std::uintptr_t address, std::size_t bytes, std::size_t page) override;
   void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override;
   void keep_released_units(bool on) override;
+  bool map_from(std::uintptr_t address, std::uintptr_t source, std::size_t bytes, std::size_t page) override;
 
   EventId record_event(StreamId stream) override;
   bool event_completed(EventId event) override;
@@ -65,11 +66,17 @@ class SimulatedDevice : public Upstream {
   std::uint64_t physical_allocations() const { return physical_allocations_; }
   std::uint64_t physical_releases() const { return physical_releases_; }
   std::uint64_t kept_units() const;  // units unmapped and kept, not yet mapped again or released
+  // Units map_from() mapped a second time (no new memory), and those now mapped at two addresses.
+  std::uint64_t aliased_units() const { return aliased_units_; }
+  std::size_t units_mapped_twice() const;
 
  private:
   bool inject_fault();
   struct Range;
   Range& range_of(std::uintptr_t address, std::size_t bytes, std::size_t* first);
+  // Throws unless [first, end) of `mapped` is made of whole physical allocations of `unit` pages.
+  static void check_whole_units(const std::vector<std::uint16_t>& mapped, std::size_t first, std::size_t end,
+                                std::size_t unit, const char* what);
 
   UpstreamKind kind_;
   std::size_t capacity_;
@@ -98,6 +105,13 @@ class SimulatedDevice : public Upstream {
   std::uint64_t physical_releases_ = 0;
   bool keep_ = false;
   std::map<std::size_t, std::uint64_t> kept_;  // kept units by bytes (they count in used_)
+  // Physical units that map_from() shared: the address of each mapping's unit -> the unit's id, and
+  // per id how many mappings hold it. Its memory goes back with its last mapping, never kept (as
+  // the CUDA upstream does with a unit mapped twice). Units never shared are not listed.
+  std::map<std::uintptr_t, std::uint64_t> shared_unit_at_;
+  std::unordered_map<std::uint64_t, std::uint32_t> shared_mappings_;
+  std::uint64_t next_shared_id_ = 1;
+  std::uint64_t aliased_units_ = 0;
   void release_kept();
   std::uint64_t faults_injected_ = 0;
 };

@@ -48,6 +48,18 @@ class Upstream {
   // unmapping other pages: a unit moved this way skips the driver's create and release, a third of
   // what remapping a unit costs (pool_map.cpp). Off by default; upstreams that cannot keep ignore it.
   virtual void keep_released_units(bool on) { (void)on; }
+  // kPages: maps [address, address + bytes) onto the physical units backing the mapped range
+  // [source, source + bytes) (mapped with the same `page`), which stay mapped at `source` as well: no
+  // new memory. Each mapping holds the memory; it goes back when the last one is unmapped, and a unit
+  // mapped twice is never kept by keep_released_units. The pool hands pages still draining to a new
+  // block on the same stream this way (pool_drain.cpp): the device may still be using them at
+  // `source`, and will use them at `address` only after that, in stream order. False, with nothing
+  // mapped, when the upstream cannot (the default) or a unit may not be shared (exported to another
+  // process); throws UpstreamError on a driver error.
+  virtual bool map_from(std::uintptr_t address, std::uintptr_t source, std::size_t bytes, std::size_t page) {
+    (void)address, (void)source, (void)bytes, (void)page;
+    return false;
+  }
   // kPages: file descriptors of the physical pages of [address, address + count * page) (mapped by
   // map() with that page), which another process can import (CUDA IPC). They stay open, owned by the
   // upstream, until the pages are unmapped. @throws UpstreamError when the pages cannot be exported.
@@ -87,6 +99,9 @@ class ForwardingUpstream : public Upstream {
     inner_->unmap(address, bytes, page);
   }
   void keep_released_units(bool on) override { inner_->keep_released_units(on); }
+  bool map_from(std::uintptr_t address, std::uintptr_t source, std::size_t bytes, std::size_t page) override {
+    return inner_->map_from(address, source, bytes, page);
+  }
   std::vector<int> export_pages(std::uintptr_t address, std::size_t count, std::size_t page) override {
     return inner_->export_pages(address, count, page);
   }

@@ -127,6 +127,27 @@ class CheckedDevice : public Upstream {
     sim_->unmap(address, bytes, page);
     for (std::size_t off = 0; off < bytes; off += page_size()) mapped_.erase(address + off);
   }
+  // Memory mapped a second time while its stream may still use it at `source`: only for a block of
+  // the same region (one region per stream's arena on a paged device), never from under a live one;
+  // until that stream's work is done, the memory is in use at `address` as well.
+  bool map_from(std::uintptr_t address, std::uintptr_t source, std::size_t bytes, std::size_t page) override {
+    REQUIRE(region_of(address).second != 0 && region_of(address) == region_of(source),
+            "map_from across regions: another stream may still use the memory");
+    if (live) {
+      auto it = live->lower_bound(source + bytes);
+      if (it != live->begin()) {
+        --it;
+        REQUIRE(!overlaps(source, bytes, it->first, it->second), "map_from of memory under a live allocation");
+      }
+    }
+    if (!sim_->map_from(address, source, bytes, page)) return false;
+    for (std::size_t off = 0; off < bytes; off += page_size()) mapped_.insert(address + off);
+    const std::size_t before = unsynced_.size();
+    for (std::size_t i = 0; i < before; ++i)
+      if (overlaps(source, bytes, unsynced_[i].address, unsynced_[i].size))
+        unsynced_.push_back({address, bytes, unsynced_[i].stream, unsynced_[i].events_before});
+    return true;
+  }
 
   EventId record_event(StreamId stream) override {
     EventId e = sim_->record_event(stream);

@@ -3,7 +3,10 @@
 // mapped and reserved until an event on their stream completes, the high-water policy never waits
 // for them, and a cap waits only for the oldest draining event of the stream that used them. Pages
 // drain behind the first mark (an event on their stream) recorded after their block was freed: no
-// later work is waited for, and pages freed before a completed mark go back at once.
+// later work is waited for, and pages freed before a completed mark go back at once. A block of the
+// same stream (its arena's region) maps from draining pages instead: no new memory and no wait.
+// Tests that watch pages drain allocate the block that needs the room on another stream (its own
+// region), which cannot map from them.
 #include <cstdint>
 
 #include "pool_test_util.hpp"
@@ -17,7 +20,7 @@ TEST(high_water_release_drains_without_waiting) {
   std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
   std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
   s.pool->free(a);  // 8 MiB cached at the start of the region
-  std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: a's pages go back
+  std::uintptr_t c = s.pool->allocate(12 * MiB, 1);  // past the high water: a's pages go back
   DeviceStats st = s.pool->stats();
   CHECK_EQ(st.num_sync_all_streams, std::int64_t(0));      // nobody waited
   CHECK_EQ(s.pool->draining_bytes(), std::size_t(8 * MiB));  // still mapped, still counted
@@ -61,9 +64,9 @@ TEST(draining_events_complete_one_by_one_and_trim_waits_for_the_rest) {
   std::uintptr_t b = s.pool->allocate(4 * MiB, 0);
   std::uintptr_t x = s.pool->allocate(4 * MiB, 0);
   s.pool->free(a);
-  std::uintptr_t c = s.pool->allocate(6 * MiB, 0);  // a's pages drain (event 1)
+  std::uintptr_t c = s.pool->allocate(6 * MiB, 1);  // a's pages drain (event 1)
   s.pool->free(b);
-  std::uintptr_t d = s.pool->allocate(10 * MiB, 0);  // b's pages drain (event 2)
+  std::uintptr_t d = s.pool->allocate(10 * MiB, 1);  // b's pages drain (event 2)
   CHECK_EQ(s.pool->draining_bytes(), std::size_t(8 * MiB));
   s.dev->complete_one(0);  // the first event only
   s.pool->process_events();
@@ -113,7 +116,7 @@ TEST(pages_freed_before_a_completed_mark_go_back_at_once_without_waiting_for_lat
 TEST(pages_drain_behind_the_earliest_mark_after_their_free_not_a_new_one) {
   Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
   const Holes h = two_freed_holes(s);
-  std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: pages of a and b drain
+  std::uintptr_t c = s.pool->allocate(12 * MiB, 1);  // past the high water: pages of a and b drain
   CHECK(s.pool->draining_bytes() > 0);
   CHECK(s.pool->draining_bytes() < std::size_t(16 * MiB));  // some of them are still cached
   const EventId later = s.dev->record_event(0);             // work queued after that mark
@@ -124,5 +127,34 @@ TEST(pages_drain_behind_the_earliest_mark_after_their_free_not_a_new_one) {
   check_clean(*s.pool, *s.dev);
   s.dev->destroy_event(later);
   for (std::uintptr_t p : {h.x, h.y, c}) s.pool->free(p);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(a_block_of_the_same_stream_maps_from_draining_pages_without_new_memory_or_a_wait) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
+  s.dev->set_auto_complete(false);
+  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
+  std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
+  s.pool->free(a);  // 8 MiB cached at the start of the region
+  const std::uint64_t created = s.dev->physical_allocations();
+  std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: a's pages go back
+  DeviceStats st = s.pool->stats();
+  CHECK_EQ(st.num_sync_all_streams, std::int64_t(0));  // nobody waited
+  // c took a's memory while the device may still be using it at a's address (stream order makes
+  // that safe): reserved is what b and c hold, and only c's last 4 MiB are new memory.
+  CHECK_EQ(cur(st.reserved_bytes), std::int64_t(20 * MiB));
+  CHECK_EQ(s.dev->used_bytes(), std::size_t(20 * MiB));
+  CHECK_EQ(s.dev->physical_allocations() - created, std::uint64_t(2));  // 2 MiB units
+  CHECK_EQ(s.dev->units_mapped_twice(), std::size_t(4));               // a's four 2 MiB units
+  CHECK_EQ(s.pool->draining_bytes(), std::size_t(0));  // nothing more goes back: it moved
+  check_clean(*s.pool, *s.dev);
+  s.dev->complete(0);
+  s.pool->process_events();  // a's address is unmapped now; the memory stays with c
+  CHECK_EQ(s.dev->units_mapped_twice(), std::size_t(0));
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(20 * MiB));
+  CHECK_EQ(s.dev->used_bytes(), std::size_t(20 * MiB));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(b);
+  s.pool->free(c);
   check_empty_after_trim(*s.pool, *s.dev);
 }

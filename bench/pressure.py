@@ -24,22 +24,25 @@ release:high_water; rmm where RAPIDS RMM imports), one process per run:
 
 What is timed. Every workload's shapes change from step to step, so each step of a run's first pass
 over its step list meets its shapes for the first time and pays their one-time costs (cuBLAS
-heuristics, kernels loaded for each new shape, workspaces), which are no allocator's: on an H100 the
-first pass of varlen cost 120-168 ms/step from one run to the next whatever the allocator, the
-passes after it 35-43 ms/step with every allocator. The timed runs therefore run the step list
---passes times (default 2) in one process: the first pass's mean step time is "ms" (as before), and
-the later passes', which meet the same shapes again as the epochs of a real run do, is "ms st"
-(steady): what the allocator costs per step once the shapes repeat. Both are shown, each with its
-ratio (to the best PyTorch allocator's uncapped, to expandable_segments' at 1.05x), and the steady
-pass's device calls per step (num_device_alloc + num_device_free: the remapping left at steady state;
-none for async and rmm, whose statistics do not count them). OOM steps are counted per pass; only
-the first pass's decide a cap (the lowest passing cap is defined by one pass over the steps).
+heuristics, kernels loaded for each new shape, workspaces), which are no allocator's: on an H100
+(the step list run three times in one process) varlen's first pass cost 120-168 ms/step, varying
+from run to run whatever the allocator, the later passes 35-43 ms/step with every allocator. The
+timed runs therefore run the step list --passes times (default 2) in one process: the first pass's
+mean step time is "ms free" / "ms @1.05" (as before); the later passes', which meet the same shapes
+again as the epochs of a real run do, "ms free st" / "ms @1.05 st" (steady): what the allocator
+costs per step once the shapes repeat. Both are shown, each with its ratio (to the best PyTorch
+allocator's uncapped, to expandable_segments' at 1.05x), and the steady pass's device calls per
+step at 1.05x (num_device_alloc + num_device_free: the remapping left at steady state; none for
+async and rmm, whose statistics do not count them). OOM steps are counted per pass; only the first
+pass's decide a cap (the lowest passing cap is defined by one pass over the steps).
 
 Prints a table (caps, step times, ratios to the best PyTorch allocator) and, with --json, writes every
-figure and trial (every timed run's figures in the rows' ``*_runs`` lists). --dry-run prints the plan and runs nothing; --device cpu runs each workload's code
-once, tiny, on the CPU (no allocator, no cap; with its passes): the path CI covers. Every run of a chosen
-subset fits one GPU call of ~8 minutes on an H100 when it holds three workloads (the lead runs it in
-2-3 calls; the second pass adds about a second to a timed run, and the timed runs come out of --budget-s).
+figure and trial (each timed run's figures in the rows' ``*_runs`` lists, each worker's whole result,
+its steady peaks included, in ``trials``). --dry-run prints the plan and runs nothing; --device cpu
+runs each workload's code, tiny, on the CPU (no allocator, no cap; its passes too): the path CI
+covers. Every run of a chosen subset fits one GPU call of ~8 minutes on an H100 when it holds three
+workloads (the lead runs it in 2-3 calls; a timed run's second pass adds its steps again at the
+steady rate, about a second, and the timed runs' time comes out of --budget-s).
 """
 from __future__ import annotations
 
@@ -220,17 +223,16 @@ def passed(result: dict) -> bool:
 # ----------------------------------------------------------------------------- one workload
 
 
-# A timed run's figures that its row keeps per run (``*_runs``) and as their median over the runs:
-# the row's key (after "uncapped_" / "capped_") -> the worker's.
-TIMED_FIGURES = dict(step_ms="step_ms", steady_step_ms="steady_step_ms",
-                     steady_device_allocs="steady_device_allocs", steady_device_frees="steady_device_frees")
+# A timed run's figures (the worker's keys) that its row keeps, as "uncapped_<key>" / "capped_<key>",
+# per run (``*_runs``) and as their median over the runs.
+TIMED_FIGURES = ("step_ms", "steady_step_ms", "steady_device_allocs", "steady_device_frees")
 # Kept as the first timed run's, every run's in ``*_runs`` (an OOM in any run at 1.05x fails the point).
-TIMED_COUNTS = dict(ooms="ooms", steady_ooms="steady_ooms")
+TIMED_COUNTS = ("ooms", "steady_ooms")
 
 
 def timed_figures(prefix: str, r: dict) -> dict:
     """A timed run's figures under the row's keys (prefix "uncapped" or "capped")."""
-    return {f"{prefix}_{k}": r.get(v) for k, v in {**TIMED_FIGURES, **TIMED_COUNTS}.items()}
+    return {f"{prefix}_{k}": r.get(k) for k in (*TIMED_FIGURES, *TIMED_COUNTS)}
 
 
 def repeat_timed(workload: str, allocators: list, cap, rows: dict, runner: Runner, repeats: int) -> dict:
@@ -360,11 +362,8 @@ def table(results: dict) -> str:
         rows = res["rows"]
         torch_rows = [r for r in rows if r["allocator"] in TORCH_ALLOCATORS]
         exp = next((r for r in rows if r["allocator"] == "expandable"), {})
-
-        def best(key):
-            return min((r[key] for r in torch_rows if r.get(key)), default=None)
-
-        best_cap, best_ms, best_st = best("lowest_cap"), best("uncapped_step_ms"), best("uncapped_steady_step_ms")
+        best_cap, best_ms, best_st = (min((r[k] for r in torch_rows if r.get(k)), default=None)
+                                      for k in ("lowest_cap", "uncapped_step_ms", "uncapped_steady_step_ms"))
         for r in rows:
             ms, st = r.get("uncapped_step_ms"), r.get("uncapped_steady_step_ms")
             cms, cst = r.get("capped_step_ms"), r.get("capped_steady_step_ms")

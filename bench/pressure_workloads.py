@@ -463,7 +463,7 @@ def run(args) -> dict:
         steps = max(warmup + 2, math.ceil(steps / 2))
     sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
     start = min(warmup, steps - 1)  # the first timed step of every pass
-    # Per pass: OOM steps, the first one's step and text, seconds of the timed steps (None: the run
+    # Per pass: OOM steps, the first one's step, the last one's text, seconds of the timed steps (None: the run
     # stopped at an OOM before or within them), device calls over the timed steps (None: not counted).
     passes: list = []
     peaks: dict = {}
@@ -482,7 +482,7 @@ def run(args) -> dict:
                     raise
                 ooms += 1
                 first_oom = i if first_oom is None else first_oom
-                oom_text = oom_text or str(e).splitlines()[0][:300]
+                oom_text = str(e).splitlines()[0][:300]  # the last OOM's, as before
                 if DEVICE.type == "cuda":
                     # The device itself short (other runs beside this one), not this run's cap: the driver
                     # runs the trial again alone.

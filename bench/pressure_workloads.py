@@ -463,8 +463,9 @@ def run(args) -> dict:
         steps = max(warmup + 2, math.ceil(steps / 2))
     sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
     start = min(warmup, steps - 1)  # the first timed step of every pass
-    # Per pass: OOM steps, the first one's step, the last one's text, seconds of the timed steps (None: the run
-    # stopped at an OOM before or within them), device calls over the timed steps (None: not counted).
+    # Per pass: OOM steps, the first one's step, the last one's text, seconds of the timed steps
+    # (None: the run stopped at an OOM before or within them), device calls over the timed steps
+    # (None: not counted).
     passes: list = []
     peaks: dict = {}
     device_short = False

@@ -1,31 +1,48 @@
 """Under memory pressure: the lowest cap at which each allocator runs each workload without an OOM.
 
     python bench/pressure.py [--workloads moe,bert] [--allocators native,expandable,gpumem] [--quick]
-                             [--repeats 3] [--json OUT.json] [--jobs 8] [--budget-s 420] [--dry-run]
-                             [--device cpu]
+                             [--repeats 3] [--passes 2] [--json OUT.json] [--jobs 8] [--budget-s 420]
+                             [--dry-run] [--device cpu]
 
 For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
 vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
 expandable, async; gpumem with each release policy: gpumem = release:lazy, gpumem_hw =
 release:high_water; rmm where RAPIDS RMM imports), one process per run:
 
- 1. uncapped, alone (timed): native first, whose peak allocated bytes are P; then the others. Each
-    gives its step time and max reserved / max allocated; --repeats R runs each R times, interleaved
-    across the allocators, and shows the median step time;
- 2. capped at 1.05 P, alone (timed, R times likewise): the step time under pressure, and the first
-    point of the search;
+ 1. uncapped, alone (timed): native first, whose peak allocated bytes (of its first pass) are P; then
+    the others. Each gives its step times and max reserved / max allocated; --repeats R runs each R
+    times, interleaved across the allocators, and shows the median step times;
+ 2. capped at 1.05 P, alone (timed, R times likewise): the step times under pressure, and the first
+    point of the search (decided by the first pass's OOMs);
  3. the lowest cap k (in units of P, set with torch.cuda.set_per_process_memory_fraction(k P / total))
     at which the whole run has 0 OOM steps, to --tolerance (0.25% of P): rounds of trials in parallel
     on the same GPU (caps are per process; the trials' caps plus each one's CUDA context stay under
     90% of the device), every allocator's unfinished search in the same round, each split into as many
     points as the round has room for. A trial ends at its first OOM. One that met a device short of
     memory (not its cap) runs again alone. Past --budget-s seconds no new round starts: the searches
-    left report their bracket.
+    left report their bracket. A trial runs the step list once.
+
+What is timed. Every workload's shapes change from step to step, so each step of a run's first pass
+over its step list meets its shapes for the first time and pays their one-time costs (cuBLAS
+heuristics, kernels loaded for each new shape, workspaces), which are no allocator's: on an H100
+(the step list run three times in one process) varlen's first pass cost 120-168 ms/step, varying
+from run to run whatever the allocator, the later passes 35-43 ms/step with every allocator. The
+timed runs therefore run the step list --passes times (default 2) in one process: the first pass's
+mean step time is "ms free" / "ms @1.05" (as before); the later passes', which meet the same shapes
+again as the epochs of a real run do, "ms free st" / "ms @1.05 st" (steady): what the allocator
+costs per step once the shapes repeat. Both are shown, each with its ratio (to the best PyTorch
+allocator's uncapped, to expandable_segments' at 1.05x), and the steady pass's device calls per
+step at 1.05x (num_device_alloc + num_device_free: the remapping left at steady state; none for
+async and rmm, whose statistics do not count them). OOM steps are counted per pass; only the first
+pass's decide a cap (the lowest passing cap is defined by one pass over the steps).
 
 Prints a table (caps, step times, ratios to the best PyTorch allocator) and, with --json, writes every
-figure and trial. --dry-run prints the plan and runs nothing; --device cpu runs each workload's code
-once, tiny, on the CPU (no allocator, no cap): the path CI covers. Every run of a chosen subset fits
-one GPU call of ~8 minutes on an H100 when it holds three workloads (the lead runs it in 2-3 calls).
+figure and trial (each timed run's figures in the rows' ``*_runs`` lists, each worker's whole result,
+its steady peaks included, in ``trials``). --dry-run prints the plan and runs nothing; --device cpu
+runs each workload's code, tiny, on the CPU (no allocator, no cap; its passes too): the path CI
+covers. Every run of a chosen subset fits one GPU call of ~8 minutes on an H100 when it holds three
+workloads (the lead runs it in 2-3 calls; a timed run's second pass adds its steps again at the
+steady rate, about a second, and the timed runs' time comes out of --budget-s).
 """
 from __future__ import annotations
 
@@ -124,6 +141,7 @@ class Trial:
     allocator: str
     cap: float | None                  # in units of P; None: uncapped
     stop_on_oom: bool
+    passes: int = 1                    # the timed runs' --passes; a search trial runs the steps once
     result: dict | None = None
 
 
@@ -147,6 +165,8 @@ class Runner:
             cmd += ["--fraction", f"{self.fraction(t):.8f}"]
         if t.stop_on_oom:
             cmd.append("--stop-on-oom")
+        if t.passes > 1:
+            cmd += ["--passes", str(t.passes)]
         return cmd
 
     def fraction(self, t: Trial) -> float:
@@ -203,24 +223,40 @@ def passed(result: dict) -> bool:
 # ----------------------------------------------------------------------------- one workload
 
 
+# A timed run's figures (the worker's keys) that its row keeps, as "uncapped_<key>" / "capped_<key>",
+# per run (``*_runs``) and as their median over the runs.
+TIMED_FIGURES = ("step_ms", "steady_step_ms", "steady_device_allocs", "steady_device_frees")
+# Kept as the first timed run's, every run's in ``*_runs`` (an OOM in any run at 1.05x fails the point).
+TIMED_COUNTS = ("ooms", "steady_ooms")
+
+
+def timed_figures(prefix: str, r: dict) -> dict:
+    """A timed run's figures under the row's keys (prefix "uncapped" or "capped")."""
+    return {f"{prefix}_{k}": r.get(k) for k in (*TIMED_FIGURES, *TIMED_COUNTS)}
+
+
 def repeat_timed(workload: str, allocators: list, cap, rows: dict, runner: Runner, repeats: int) -> dict:
     """The timed run (uncapped: cap None, or at `cap`) `repeats - 1` more times per allocator, interleaved
     (a, b, c, a, b, c, ...) so that a drift of the machine touches every allocator alike; each row's step
-    time becomes the median of all its runs, and the runs are kept (``*_step_ms_runs``) for the spread.
-    Returns each allocator's extra results."""
-    key = "uncapped_step_ms" if cap is None else "capped_step_ms"
-    runs = {a: [rows[a].get(key)] for a in allocators}
+    times (first pass and steady) become the medians of all its runs, and the runs are kept
+    (``*_step_ms_runs``, ...) for the spread. Returns each allocator's extra results."""
+    prefix = "uncapped" if cap is None else "capped"
+    keys = [f"{prefix}_{k}" for k in (*TIMED_FIGURES, *TIMED_COUNTS)]
+    runs = {a: {k: [rows[a].get(k)] for k in keys} for a in allocators}
     extra = {a: [] for a in allocators}
     for _ in range(repeats - 1):
         for a in allocators:
-            r = runner.alone(Trial(workload, a, cap, False))
+            r = runner.alone(Trial(workload, a, cap, False, runner.args.passes))
             extra[a].append(r)
-            runs[a].append(r.get("step_ms"))
+            for k, v in timed_figures(prefix, r).items():
+                runs[a][k].append(v)
     for a in allocators:
-        times = [t for t in runs[a] if t is not None]
-        rows[a][key + "_runs"] = runs[a]
-        if times:
-            rows[a][key] = statistics.median(times)
+        for k in keys:
+            rows[a][k + "_runs"] = runs[a][k]
+        for k in TIMED_FIGURES:
+            values = [v for v in runs[a][f"{prefix}_{k}"] if v is not None]
+            if values:
+                rows[a][f"{prefix}_{k}"] = statistics.median(values)
     return extra
 
 
@@ -229,15 +265,14 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
     first = "native" if "native" in allocators else allocators[0]
     order = [first] + [a for a in allocators if a != first]
     for a in order:
-        r = runner.alone(Trial(workload, a, None, False))
-        rows[a].update(uncapped_step_ms=r.get("step_ms"), uncapped_ooms=r.get("ooms"), error=r.get("error"),
-                       max_allocated=r.get("max_allocated"), max_reserved=r.get("max_reserved"),
-                       device=r.get("device"))
+        r = runner.alone(Trial(workload, a, None, False, args.passes))
+        rows[a].update(timed_figures("uncapped", r), error=r.get("error"), max_allocated=r.get("max_allocated"),
+                       max_reserved=r.get("max_reserved"), device=r.get("device"))
         if r.get("max_allocated") and r.get("max_reserved"):
             rows[a]["reserved_over_allocated"] = r["max_reserved"] / r["max_allocated"]
         if a == first and args.device == "cpu":
             break  # the workload's code once, tiny, no allocator: the other allocators would run the same
-        if a == first:
+        if a == first:  # P: the first pass's peak (max_allocated), as a search trial runs one pass
             if r.get("error") or not r.get("max_allocated"):
                 raise SystemExit(f"{workload}: the uncapped {a} run gave no peak: {r.get('error')}")
             runner.peak[workload] = r["max_allocated"]
@@ -250,8 +285,8 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
     ceiling = DEVICE_SHARE * runner.total / P
     searches = {a: Search(args.tolerance, ceiling) for a in allocators if not rows[a].get("error")}
     for a in searches:
-        r = runner.alone(Trial(workload, a, TIMED_CAP, False))
-        rows[a].update(capped_step_ms=r.get("step_ms"), capped_ooms=r.get("ooms"), capped_error=r.get("error"))
+        r = runner.alone(Trial(workload, a, TIMED_CAP, False, args.passes))
+        rows[a].update(timed_figures("capped", r), capped_error=r.get("error"))
         if r.get("error") is None:
             searches[a].record(TIMED_CAP, passed(r))
     # A capped run that failed with something other than an OOM: no cap can be trusted for that
@@ -300,27 +335,52 @@ def cap_text(row):
     return text + ("" if row.get("converged") else "?")
 
 
+def ratio(x, y):
+    return x / y if x and y else None
+
+
+def calls_per_step(row, prefix):
+    """Device calls (allocs + frees) per step of a timed run's steady pass; None where not counted."""
+    a, f = row.get(f"{prefix}_steady_device_allocs"), row.get(f"{prefix}_steady_device_frees")
+    return None if a is None or f is None else a + f
+
+
+# (width, header): each wider than its header, so that headers of several words stay apart.
+COLUMNS = ((9, "workload"), (10, "allocator"), (10, "0-OOM cap"), (8, "vs best"), (8, "ms free"), (8, "vs best"),
+           (11, "ms free st"), (11, "vs best st"), (9, "ms @1.05"), (5, "ooms"), (7, "vs exp"), (12, "ms @1.05 st"),
+           (8, "ooms st"), (10, "vs exp st"), (9, "calls st"), (10, "res/alloc"))
+
+
 def table(results: dict) -> str:
-    lines = [f"{'workload':9s} {'allocator':10s} {'0-OOM cap':>10s} {'vs best':>8s} {'ms free':>8s} "
-             f"{'vs best':>8s} {'ms @1.05':>8s} {'ooms':>4s} {'vs exp':>7s} {'res/alloc':>9s}"]
+    """One line per (workload, allocator): first-pass and steady figures side by side ('-' for a
+    figure the run does not have: one pass, an error, a search not run)."""
+    def line(cells):
+        return " ".join(f"{c:{'<' if i < 2 else '>'}{w}s}" for i, ((w, _), c) in enumerate(zip(COLUMNS, cells)))
+
+    lines = [line([name for _, name in COLUMNS])]
     for w, res in results.items():
         rows = res["rows"]
         torch_rows = [r for r in rows if r["allocator"] in TORCH_ALLOCATORS]
-        best_cap = min((r["lowest_cap"] for r in torch_rows if r.get("lowest_cap")), default=None)
-        best_ms = min((r["uncapped_step_ms"] for r in torch_rows if r.get("uncapped_step_ms")), default=None)
-        exp_ms = next((r.get("capped_step_ms") for r in rows if r["allocator"] == "expandable"), None)
+        exp = next((r for r in rows if r["allocator"] == "expandable"), {})
+        best_cap, best_ms, best_st = (min((r[k] for r in torch_rows if r.get(k)), default=None)
+                                      for k in ("lowest_cap", "uncapped_step_ms", "uncapped_steady_step_ms"))
         for r in rows:
-            cap, ms, cms = r.get("lowest_cap"), r.get("uncapped_step_ms"), r.get("capped_step_ms")
-            lines.append(
-                f"{w:9s} {r['allocator']:10s} {cap_text(r):>10s} "
-                f"{fmt(cap / best_cap if cap and best_cap else None):>8s} {fmt(ms, '.1f'):>8s} "
-                f"{fmt(ms / best_ms if ms and best_ms else None):>8s} {fmt(cms, '.1f'):>8s} "
-                f"{fmt(r.get('capped_ooms'), 'd'):>4s} {fmt(cms / exp_ms if cms and exp_ms else None):>7s} "
-                f"{fmt(r.get('reserved_over_allocated')):>9s}" + (f"  error: {r['error']}" if r.get("error") else "")
-                + (f"  capped error: {r['capped_error']}" if r.get("capped_error") else ""))
+            ms, st = r.get("uncapped_step_ms"), r.get("uncapped_steady_step_ms")
+            cms, cst = r.get("capped_step_ms"), r.get("capped_steady_step_ms")
+            cells = [w, r["allocator"], cap_text(r), fmt(ratio(r.get("lowest_cap"), best_cap)),
+                     fmt(ms, ".1f"), fmt(ratio(ms, best_ms)), fmt(st, ".1f"), fmt(ratio(st, best_st)),
+                     fmt(cms, ".1f"), fmt(r.get("capped_ooms"), "d"), fmt(ratio(cms, exp.get("capped_step_ms"))),
+                     fmt(cst, ".1f"), fmt(r.get("capped_steady_ooms"), "d"),
+                     fmt(ratio(cst, exp.get("capped_steady_step_ms"))), fmt(calls_per_step(r, "capped"), ".1f"),
+                     fmt(r.get("reserved_over_allocated"))]
+            lines.append(line(cells) + (f"  error: {r['error']}" if r.get("error") else "")
+                         + (f"  capped error: {r['capped_error']}" if r.get("capped_error") else ""))
     lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
                  "unfinished, '>x': none up to x); vs best: / the best PyTorch allocator's; ms free: step time "
-                 "uncapped; ms @1.05: at a 1.05x cap (ooms: its OOM steps), vs exp: / expandable_segments'.")
+                 "uncapped, first pass over the steps (each shape new: its one-time costs, no allocator's); "
+                 "st: steady, the later passes (the same shapes again: the allocator's cost once shapes "
+                 "repeat); ms @1.05: at a 1.05x cap (ooms: its OOM steps, per pass), vs exp: / "
+                 "expandable_segments'; calls st: device allocs + frees per step of the steady pass at 1.05x.")
     return "\n".join(lines)
 
 
@@ -345,6 +405,10 @@ def parse_args(argv=None):
                     help="timed runs (uncapped, and at 1.05x) per allocator, interleaved; the median is "
                          "shown, every run kept in the JSON (default 1; step-time differences of a few %% "
                          "need 3 or more: two runs of one allocator can differ by 10%%)")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="passes over the step list of each timed run (default 2): the first's step time, "
+                         "and the later ones' (steady: the same shapes again); 1: the first pass alone. "
+                         "A search trial runs one pass")
     ap.add_argument("--jobs", type=int, default=8, help="trials at once on the GPU, at most")
     ap.add_argument("--budget-s", type=float, default=420, help="no new search round after this many seconds")
     ap.add_argument("--json", help="write every figure and trial to this file")
@@ -373,18 +437,24 @@ def parse_args(argv=None):
         ap.error("--jobs must be at least 1")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.passes < 1:
+        ap.error("--passes must be at least 1")
     return args
 
 
 def plan(args) -> str:
     lines = [f"device {args.device}; workloads {', '.join(args.workloads)}; allocators "
              f"{', '.join(args.allocators)}{' (+rmm if it imports)' if args.rmm_auto else ''}"]
+    passes = (f", {args.passes} passes over the steps" if args.passes > 1 else ", 1 pass") + " each"
+    first = "native" if "native" in args.allocators else args.allocators[0]  # as measure() orders them
     for w in args.workloads:
+        if args.device == "cpu":  # no allocator on the CPU: the first one's runs alone (see measure)
+            lines.append(f"{w}: uncapped alone x{args.repeats}{passes} ({first} only: no allocator on the CPU)")
+            continue
         runs = len(args.allocators) * args.repeats
-        lines.append(f"{w}: uncapped alone x{runs} (native first: P)"
-                     + ("" if args.device == "cpu" else
-                        f"; {TIMED_CAP}x P alone x{runs}; bisection of the 0-OOM cap in "
-                        f"[{FLOOR}, 0.9 total / P] to {args.tolerance:g} P, up to {args.jobs} trials at once"))
+        lines.append(f"{w}: uncapped alone x{runs}{passes} ({first} first: P); {TIMED_CAP}x P alone x{runs}"
+                     f"{passes}; bisection of the 0-OOM cap in [{FLOOR}, 0.9 total / P] to {args.tolerance:g} P, "
+                     f"up to {args.jobs} trials at once, 1 pass each")
     lines.append(f"no new round after {args.budget_s:g} s" + ("; --quick: half the steps" if args.quick else ""))
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """The workloads of bench/pressure.py and the one-run worker it starts, one process per run.
 
     python bench/pressure_workloads.py WORKLOAD ALLOCATOR [--fraction F] [--stop-on-oom] [--quick]
+                                       [--passes N]
     python bench/pressure_workloads.py WORKLOAD none --device cpu --tiny     # the code path, on the CPU
 
 Prints one JSON line: OOM steps, step time, torch's peak allocated / reserved bytes, the device's
@@ -26,6 +27,19 @@ ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gp
 --fraction F caps the run with torch.cuda.set_per_process_memory_fraction(F) (rmm: a pool of at most
 F * total bytes). A step that raises an out-of-memory error counts as one OOM step and the run goes on
 with the next step; --stop-on-oom ends the run at the first (what a bisection needs to know).
+
+--passes N runs the whole step list N times in the one process. Every step of the first pass meets
+its shapes for the first time and pays their one-time costs (cuBLAS heuristics, kernels loaded,
+workspaces), whatever the allocator; passes 2..N meet the same shapes again, as the epochs of a real
+run do. The first pass's figures keep their meaning whatever N is: step_ms (the mean from the warm-up
+steps on), ooms, first_oom_step, max_allocated / max_reserved (its peaks: what a cap is measured
+against). Passes 2..N add steady_step_ms (the mean over the same steps of each), steady_ooms (their
+OOM steps, apart from `ooms`: the lowest passing cap is defined by one pass, so only the first
+pass's OOMs decide it), steady_device_allocs / steady_device_frees (num_device_alloc /
+num_device_free of the allocator's statistics per timed step: 0 when the allocator maps nothing once
+the shapes repeat; None for async and rmm, whose statistics do not count them) and
+steady_max_allocated / steady_max_reserved (the peaks over every pass). With --stop-on-oom an OOM in
+any pass ends the run, and the pass it ended has no step time.
 """
 from __future__ import annotations
 
@@ -400,6 +414,28 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
 
 
+# The allocators whose statistics count the calls that take memory from the device and give it back
+# (num_device_alloc / num_device_free: cudaMalloc or a map, cudaFree or an unmap): torch's caching
+# allocator and gpumem's pool. Not async (cudaMallocAsync draws from the driver's pool; torch counts
+# no device call of it) nor rmm (torch keeps no statistics for a pluggable allocator).
+COUNTED = ("native", "expandable", "gpumem", "gpumem_hw")
+
+
+def device_calls(torch, allocator: str):
+    """(num_device_alloc, num_device_free) so far, or None where the allocator does not count them."""
+    if DEVICE.type != "cuda" or allocator not in COUNTED:
+        return None
+    if allocator in GPUMEM_CONF:
+        import gpumem  # its pool's own counters (torch's memory_stats keeps torch's keys)
+
+        stats = gpumem.stats()
+    else:
+        stats = torch.cuda.memory_stats()
+    if "num_device_alloc" not in stats:
+        return None
+    return int(stats["num_device_alloc"]), int(stats.get("num_device_free", 0))
+
+
 def run(args) -> dict:
     global DEVICE
     if args.device == "cpu" and args.allocator != "none":
@@ -425,40 +461,92 @@ def run(args) -> dict:
     steps, warmup, step = make_workload(args.workload, torch, args.tiny, args.seed)
     if args.quick:
         steps = max(warmup + 2, math.ceil(steps / 2))
-    ooms, first_oom, oom_text, device_short = 0, None, "", False
     sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
-    t0 = None
-    for i in range(steps):
-        if i == min(warmup, steps - 1):
-            sync()
-            t0 = time.perf_counter()
-        try:
-            step(i)
-        except Exception as e:  # noqa: BLE001  an OOM is counted; anything else ends the run
-            if not is_oom(e):
-                raise
-            ooms += 1
-            first_oom = i if first_oom is None else first_oom
-            oom_text = str(e).splitlines()[0][:300]
-            if DEVICE.type == "cuda":
-                # The device itself short (other runs beside this one), not this run's cap: the driver
-                # runs the trial again alone.
-                device_short |= torch.cuda.mem_get_info()[0] < CONTEXT_BYTES
-            if args.stop_on_oom:
-                break
-    sync()
-    timed = steps - min(warmup, steps - 1)
+    start = min(warmup, steps - 1)  # the first timed step of every pass
+    # Per pass: OOM steps, the first one's step, the last one's text, seconds of the timed steps
+    # (None: the run stopped at an OOM before or within them), device calls over the timed steps
+    # (None: not counted).
+    passes: list = []
+    peaks: dict = {}
+    device_short = False
+    for _ in range(args.passes):
+        ooms, first_oom, oom_text, t0, calls0, stopped = 0, None, "", None, None, False
+        for i in range(steps):
+            if i == start:
+                sync()
+                calls0 = device_calls(torch, args.allocator)
+                t0 = time.perf_counter()
+            try:
+                step(i)
+            except Exception as e:  # noqa: BLE001  an OOM is counted; anything else ends the run
+                if not is_oom(e):
+                    raise
+                ooms += 1
+                first_oom = i if first_oom is None else first_oom
+                oom_text = str(e).splitlines()[0][:300]  # the last OOM's, as before
+                if DEVICE.type == "cuda":
+                    # The device itself short (other runs beside this one), not this run's cap: the driver
+                    # runs the trial again alone.
+                    device_short |= torch.cuda.mem_get_info()[0] < CONTEXT_BYTES
+                if args.stop_on_oom:
+                    stopped = True
+                    break
+        sync()
+        seconds = None if stopped or t0 is None else time.perf_counter() - t0
+        calls1 = device_calls(torch, args.allocator) if calls0 is not None and not stopped else None
+        passes.append(dict(ooms=ooms, first_oom=first_oom, oom=oom_text, seconds=seconds,
+                           calls=None if calls1 is None else (calls1[0] - calls0[0], calls1[1] - calls0[1])))
+        if len(passes) == 1:
+            peaks = memory_peaks(torch, rmm_resources)  # the first pass's: what the cap search's runs see
+        if stopped:
+            break
+    timed = steps - start
+    first, later = passes[0], passes[1:]
     result = dict(workload=args.workload, allocator=args.allocator, fraction=args.fraction, steps=steps,
-                  ooms=ooms, first_oom_step=first_oom, oom=oom_text, device_short=device_short,
-                  step_ms=None if ooms and args.stop_on_oom else 1000 * (time.perf_counter() - t0) / timed,
+                  passes=args.passes, ooms=first["ooms"], first_oom_step=first["first_oom"], oom=first["oom"],
+                  device_short=device_short,
+                  step_ms=None if first["seconds"] is None else 1000 * first["seconds"] / timed,
                   total_bytes=total, device=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu")
-    if DEVICE.type == "cuda":
-        if rmm_resources is not None:  # rmm: its own figures (torch has none for a pluggable allocator)
-            result.update(rmm_figures(*rmm_resources))
-        else:
-            result.update(max_allocated=torch.cuda.max_memory_allocated(),
-                          max_reserved=torch.cuda.max_memory_reserved())
+    result.update(peaks)
+    result.update(steady_figures(later, args.passes, timed))
+    if later and DEVICE.type == "cuda":  # the peaks over every pass: whether repeating the shapes grew them
+        result.update({"steady_" + k: v for k, v in memory_peaks(torch, rmm_resources).items()})
     return result
+
+
+def memory_peaks(torch, rmm_resources) -> dict:
+    """torch's peak allocated / reserved bytes so far (rmm: its own figures, as torch has none for a
+    pluggable allocator); {} on the CPU."""
+    if DEVICE.type != "cuda":
+        return {}
+    if rmm_resources is not None:
+        return rmm_figures(*rmm_resources)
+    return dict(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved())
+
+
+def steady_figures(later: list, passes: int, timed: int) -> dict:
+    """The figures of passes 2..N (`later`, each pass as run() records it): what the allocator costs
+    once every shape has been seen.
+
+    steady_step_ms: the mean over their timed steps (the same steps as the first pass's), None with
+    one pass, or when a later pass did not run or stopped at an OOM (--stop-on-oom). steady_ooms: their
+    OOM steps, counted apart from `ooms` (the first pass's, which alone decides the cap search).
+    steady_device_allocs / _frees: device calls per timed step, None where the allocator does not
+    count them."""
+    if passes == 1:
+        return dict(steady_step_ms=None, steady_ooms=None, steady_oom="", steady_device_allocs=None,
+                    steady_device_frees=None)
+    ran = len(later) == passes - 1
+    seconds = [p["seconds"] for p in later]
+    calls = [p["calls"] for p in later]
+    counted = ran and all(c is not None for c in calls)
+    n = timed * len(later)
+    return dict(
+        steady_step_ms=1000 * sum(seconds) / n if ran and None not in seconds else None,
+        steady_ooms=sum(p["ooms"] for p in later) if later else None,
+        steady_oom=next((p["oom"] for p in later if p["oom"]), ""),
+        steady_device_allocs=sum(c[0] for c in calls) / n if counted else None,
+        steady_device_frees=sum(c[1] for c in calls) / n if counted else None)
 
 
 def parse_args(argv=None):
@@ -471,7 +559,12 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="every dimension shrunk (the CPU path)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the whole step list this many times (default 1); passes 2..N give the "
+                         "steady_* figures")
     args = ap.parse_args(argv)
+    if args.passes < 1:
+        ap.error(f"--passes must be at least 1, got {args.passes}")
     if args.fraction is not None and not 0 < args.fraction <= 1:
         ap.error(f"--fraction must be in (0, 1], got {args.fraction}")
     return args

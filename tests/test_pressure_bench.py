@@ -14,7 +14,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import pressure  # noqa: E402  (imports no torch)
-from pressure_workloads import ALLOCATORS, GPUMEM_CONF, WORKLOADS, rmm_figures  # noqa: E402
+from pressure_workloads import ALLOCATORS, GPUMEM_CONF, WORKLOADS, rmm_figures, steady_figures  # noqa: E402
 
 
 def run(*args, script="pressure.py"):
@@ -26,8 +26,15 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     r = run("--dry-run", "--workloads", "moe,bert", "--allocators", "native,gpumem", "--json", tmp_path / "x.json")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == "device cuda; workloads moe, bert; allocators native, gpumem"
-    assert "moe: uncapped alone x2 (native first: P); 1.05x P alone x2; bisection" in r.stdout
+    assert ("moe: uncapped alone x2, 2 passes over the steps each (native first: P); 1.05x P alone x2, 2 passes "
+            "over the steps each; bisection") in r.stdout
+    assert "up to 8 trials at once, 1 pass each" in r.stdout  # a search trial: one pass
     assert not (tmp_path / "x.json").exists()
+    r = run("--dry-run", "--workloads", "moe", "--allocators", "expandable,gpumem", "--passes", "1")
+    assert "moe: uncapped alone x2, 1 pass each (expandable first: P); 1.05x P alone x2, 1 pass each" in r.stdout
+    r = run("--dry-run", "--device", "cpu", "--workloads", "bert", "--repeats", "3")
+    assert "bert: uncapped alone x3, 2 passes over the steps each (native only: no allocator on the CPU)" \
+        in r.stdout.splitlines(), r.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -36,6 +43,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     (["--tolerance", "0"], "--tolerance must be in (0, 1)"),
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--passes", "0"], "--passes must be at least 1"),
 ])
 def test_bad_arguments_are_refused(args, message):
     r = run("--dry-run", *args)
@@ -51,7 +59,11 @@ def test_every_workload_runs_tiny_on_the_cpu(tmp_path):
     for w in WORKLOADS:
         row = doc["results"][w]["rows"][0]
         assert row["error"] is None and row["uncapped_ooms"] == 0 and row["uncapped_step_ms"] > 0, (w, row)
-    assert "0-OOM cap" in r.stdout
+        # The timed runs' second pass (--passes 2 by default): a steady step time, its own OOM count, no
+        # device calls (the CPU has no allocator to count them).
+        assert row["uncapped_steady_step_ms"] > 0 and row["uncapped_steady_ooms"] == 0, (w, row)
+        assert row["uncapped_steady_device_allocs"] is None, (w, row)
+    assert "0-OOM cap" in r.stdout and "ms free st" in r.stdout
 
 
 def test_repeats_time_the_runs_again_and_keep_the_median(tmp_path):
@@ -64,7 +76,62 @@ def test_repeats_time_the_runs_again_and_keep_the_median(tmp_path):
     runs = native["uncapped_step_ms_runs"]
     assert len(runs) == 3 and all(t > 0 for t in runs), native
     assert native["uncapped_step_ms"] == sorted(runs)[1]
+    steady = native["uncapped_steady_step_ms_runs"]
+    assert len(steady) == 3 and all(t > 0 for t in steady), native
+    assert native["uncapped_steady_step_ms"] == sorted(steady)[1]
+    assert native["uncapped_ooms_runs"] == [0, 0, 0] and native["uncapped_steady_ooms_runs"] == [0, 0, 0]
     assert [t["allocator"] for t in doc["trials"]] == ["native"] * 3
+    assert all(t["passes"] == 2 and t["steady_step_ms"] > 0 for t in doc["trials"]), doc["trials"]
+
+
+def worker(*args):
+    r = run(*args, "--device", "cpu", "--tiny", script="pressure_workloads.py")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def test_passes_add_steady_figures_and_leave_the_first_pass_as_it_was():
+    """One pass: the figures as before, no steady ones. Two: the same first pass (its steps, OOMs, peaks
+    and step-time definition) plus the steady pass's time. The workload's first step on the CPU pays
+    one-time costs too, so the steady pass is the faster (here by far: tiny steps)."""
+    one, two = worker("bert", "none"), worker("bert", "none", "--passes", "2")
+    assert one["passes"] == 1 and one["steady_step_ms"] is None and one["steady_ooms"] is None
+    assert two["passes"] == 2 and two["steady_step_ms"] > 0 and two["steady_ooms"] == 0
+    for key in ("steps", "ooms", "first_oom_step", "oom", "device_short", "total_bytes", "device"):
+        assert one[key] == two[key], key
+    assert one["step_ms"] > 0 and two["step_ms"] > 0
+    three = worker("allocfree", "none", "--passes", "3", "--quick")
+    assert three["steps"] == 3 and three["passes"] == 3  # steps: of one pass
+    assert three["steady_step_ms"] > 0 and three["steady_ooms"] == 0
+    r = run("allocfree", "none", "--device", "cpu", "--tiny", "--passes", "0", script="pressure_workloads.py")
+    assert r.returncode == 2 and "--passes must be at least 1, got 0" in r.stderr
+
+
+def a_pass(ooms=0, seconds=0.5, calls=(0, 0), oom=""):
+    return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls)
+
+
+def test_steady_figures_of_the_later_passes():
+    """The bookkeeping of passes 2..N (what a GPU run's OOMs and counters make of them)."""
+    assert steady_figures([], 1, 10) == dict(steady_step_ms=None, steady_ooms=None, steady_oom="",
+                                             steady_device_allocs=None, steady_device_frees=None)
+    # Two later passes of 10 timed steps: the mean over both, device calls per step.
+    f = steady_figures([a_pass(seconds=0.5, calls=(4, 2)), a_pass(seconds=0.3, calls=(0, 0))], 3, 10)
+    assert f["steady_step_ms"] == pytest.approx(40.0) and f["steady_ooms"] == 0
+    assert f["steady_device_allocs"] == pytest.approx(0.2) and f["steady_device_frees"] == pytest.approx(0.1)
+    # OOM steps of a pass that went on: counted, and the pass still timed (as the first pass's are).
+    f = steady_figures([a_pass(ooms=2, seconds=1.0, oom="CUDA out of memory")], 2, 10)
+    assert f["steady_ooms"] == 2 and f["steady_step_ms"] == pytest.approx(100.0)
+    assert f["steady_oom"] == "CUDA out of memory"
+    # A later pass stopped at an OOM (--stop-on-oom): no steady time, nor calls; its OOM counted.
+    f = steady_figures([a_pass(ooms=1, seconds=None, calls=None)], 2, 10)
+    assert f["steady_step_ms"] is None and f["steady_ooms"] == 1 and f["steady_device_allocs"] is None
+    # The first pass stopped the run: no later pass ran, so nothing steady is known.
+    f = steady_figures([], 2, 10)
+    assert f["steady_step_ms"] is None and f["steady_ooms"] is None
+    # An allocator that does not count device calls (async, rmm): no calls, the time still.
+    f = steady_figures([a_pass(calls=None)], 2, 10)
+    assert f["steady_device_allocs"] is None and f["steady_step_ms"] == pytest.approx(50.0)
 
 
 def search_until_done(threshold, tolerance=0.0025, per_round=4, first=None, ceiling=6.0):
@@ -107,16 +174,51 @@ def test_search_reports_an_outcome_not_monotone_in_the_cap():
     assert s.non_monotone() and s.bracket() == (None, 1.02)
 
 
-def test_table_shows_ratios_to_the_best_pytorch_allocator():
-    rows = [dict(allocator="native", lowest_cap=1.20, highest_failing=1.19, converged=True, uncapped_step_ms=10.0,
-                 capped_step_ms=12.0, capped_ooms=0, reserved_over_allocated=1.4),
+def table_rows():
+    return [dict(allocator="native", lowest_cap=1.20, highest_failing=1.19, converged=True, uncapped_step_ms=10.0,
+                 uncapped_steady_step_ms=5.0, capped_step_ms=12.0, capped_steady_step_ms=6.0, capped_ooms=0,
+                 capped_steady_ooms=0, capped_steady_device_allocs=0.0, capped_steady_device_frees=0.0,
+                 reserved_over_allocated=1.4),
             dict(allocator="expandable", lowest_cap=1.04, highest_failing=1.0375, converged=True,
-                 uncapped_step_ms=9.0, capped_step_ms=10.0, capped_ooms=0, reserved_over_allocated=1.02),
+                 uncapped_step_ms=9.0, uncapped_steady_step_ms=5.5, capped_step_ms=10.0, capped_steady_step_ms=8.0,
+                 capped_ooms=0, capped_steady_ooms=1, capped_steady_device_allocs=1.5,
+                 capped_steady_device_frees=2.0, reserved_over_allocated=1.02),
             dict(allocator="gpumem", lowest_cap=1.0075, highest_failing=1.005, converged=True,
-                 uncapped_step_ms=9.09, capped_step_ms=9.5, capped_ooms=0, reserved_over_allocated=1.01)]
+                 uncapped_step_ms=9.09, uncapped_steady_step_ms=5.2, capped_step_ms=9.5, capped_steady_step_ms=6.4,
+                 capped_ooms=0, capped_steady_ooms=0, capped_steady_device_allocs=0.25,
+                 capped_steady_device_frees=0.5, reserved_over_allocated=1.01)]
+
+
+def table_line(text, start):
+    return next(line for line in text.splitlines() if line.startswith(start)).split()
+
+
+def test_table_shows_ratios_to_the_best_pytorch_allocator():
+    """First pass and steady side by side, each with its own ratios: to the best PyTorch allocator's
+    uncapped figure of the same pass (native's steady 5.0 is the best steady, expandable's 9.0 the best
+    first pass) and to expandable's at 1.05x of the same pass."""
+    text = pressure.table({"moe": dict(rows=table_rows())})
+    header = text.splitlines()[0]
+    for a, b in [("ms free", "ms free st"), ("ms @1.05", "ms @1.05 st"), ("vs exp", "vs exp st")]:
+        assert f" {a} " in header and f" {b} " in header, header
+    assert table_line(text, "moe       gpumem")[2:] == [
+        "1.0075", "0.969", "9.1", "1.010", "5.2", "1.040", "9.5", "0", "0.950", "6.4", "0", "0.800", "0.8",
+        "1.010"]
+    assert table_line(text, "moe       expandable")[10:15] == ["1.000", "8.0", "1", "1.000", "3.5"]
+
+
+def test_table_prints_a_dash_for_figures_a_result_lacks():
+    """A result without steady figures (one pass, or a JSON written before them), or without the capped
+    run (an error), prints '-' in those columns, not a crash, and keeps the figures it has."""
+    rows = table_rows()
+    for r in rows:
+        for k in [k for k in r if "steady" in k]:
+            del r[k]
+    del rows[2]["capped_step_ms"], rows[2]["capped_ooms"]
     text = pressure.table({"moe": dict(rows=rows)})
-    gpumem = next(line for line in text.splitlines() if line.startswith("moe       gpumem"))
-    assert gpumem.split()[2:] == ["1.0075", "0.969", "9.1", "1.010", "9.5", "0", "0.950", "1.010"], gpumem
+    assert table_line(text, "moe       gpumem")[2:] == [
+        "1.0075", "0.969", "9.1", "1.010", "-", "-", "-", "-", "-", "-", "-", "-", "-", "1.010"]
+    assert table_line(text, "moe       native")[2:9] == ["1.2000", "1.154", "10.0", "1.111", "-", "-", "12.0"]
 
 
 def test_both_gpumem_policies_are_allocators_of_the_benchmark():

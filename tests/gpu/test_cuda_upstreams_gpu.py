@@ -122,3 +122,50 @@ def test_record_stream_waits_for_the_side_stream(torch_cuda):
     pool.free(q)
     pool.free(r)
     pool.validate()
+
+
+@pytest.mark.gpu
+def test_a_block_maps_from_pages_still_draining_on_its_stream_in_stream_order(torch_cuda):
+    """High-water release while the GPU is behind: the freed block's pages are still in use by queued
+    work, and the next block of the stream maps them at once (map_from) instead of new memory; the
+    queued work still reads the old data, the new block's writes come after it, and once the old
+    address is unmapped the new block keeps its memory."""
+    torch = torch_cuda
+    if not _C.cuda_vmm_supported(0):
+        pytest.skip("device without virtual memory management")
+    upstream = _C.cuda_upstream("vmm", 0)
+    pool = _C.Pool(upstream, release="high_water")
+    main = torch.cuda.current_stream()
+    warm = torch.ones(1024, device="cuda")
+    assert warm.sum().item() == 1024  # kernels loaded before the figures below
+    torch.cuda.synchronize()
+    a = pool.allocate(64 * MiB, main.cuda_stream)
+    b = pool.allocate(64 * MiB, main.cuda_stream)
+    view(a, 64 * MiB).fill_(1.0)
+    view(b, 64 * MiB).fill_(2.0)
+    torch.cuda.synchronize()
+    free_before = upstream.free_bytes
+    torch.cuda._sleep(500_000_000)  # the device runs behind the host from here
+    total_of_a = view(a, 64 * MiB).sum()  # a's last use, queued behind the sleep
+    behind = torch.cuda.Event()
+    behind.record(main)
+    pool.free(a)
+    c = pool.allocate(96 * MiB, main.cuda_stream)  # past the high water: a's pages go back
+    st = pool.stats()
+    assert not behind.query(), "the sleep ended before the checks: the test proves nothing"
+    assert st["num_sync_all_streams"] == 0, "the allocation waited for the device"
+    assert st["reserved_bytes"]["all"]["current"] == 160 * MiB  # b and c: a's 64 MiB moved to c
+    assert free_before - upstream.free_bytes <= 32 * MiB + 4 * MiB  # only c's last 32 MiB are new
+    view(c, 96 * MiB).fill_(5.0)  # queued after a's last use
+    assert total_of_a.item() == 16 * MiB, "a's data changed before its last use"
+    torch.cuda.synchronize()
+    pool.process_events()  # a's old address is unmapped now; c keeps the memory
+    pool.validate()
+    assert torch.all(view(c, 96 * MiB) == 5.0).item() and torch.all(view(b, 64 * MiB) == 2.0).item()
+    assert pool.stats()["reserved_bytes"]["all"]["current"] == 160 * MiB
+    pool.free(b)
+    pool.free(c)
+    pool.trim()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    assert upstream.free_bytes >= free_before + 64 * MiB - 4 * MiB, "the memory did not go back"

@@ -129,7 +129,9 @@ bool Pool::live_block(std::uintptr_t address, BlockInfo* out) const {
 
 // Segments as PyTorch reports them: a region of segments is one segment; a paged region is one
 // segment per run of mapped pages (as PyTorch does for expandable segments), its blocks clipped to
-// the run, so the segments add up to the reserved bytes and unmapped address space is not drawn.
+// the run, so the segments add up to the reserved bytes and unmapped address space is not drawn;
+// except while draining pages are lent (pool_drain.cpp): until their mark completes their memory is
+// mapped at two addresses and shows in both segments, once as the draining (inactive) block.
 std::vector<RegionInfo> Pool::snapshot() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<RegionInfo> out;

@@ -321,7 +321,12 @@ Pool::Region* Pool::add_region(Arena& arena, std::uintptr_t base, std::size_t by
 
 void Pool::split(Block* block, std::size_t size) {
   if (block->size - size < kAlignment) return;
-  Block* rest = new_block();
+  // Nothing to merge: `block` is taken, and the next block was not free (free neighbours are merged).
+  block->region->arena->free_blocks.insert(split_off(block, size));
+}
+
+Pool::Block* Pool::split_off(Block* block, std::size_t size) {
+  Block* rest = new_block();  // free, in no index
   rest->address = block->address + size;
   rest->size = block->size - size;
   rest->region = block->region;
@@ -331,8 +336,7 @@ void Pool::split(Block* block, std::size_t size) {
   if (block->next) block->next->prev = rest;
   block->next = rest;
   block->size = size;
-  // Nothing to merge: `block` is taken, and the next block was not free (free neighbours are merged).
-  block->region->arena->free_blocks.insert(rest);
+  return rest;
 }
 
 // Puts a free block into its arena's set, merged with free neighbours first.

@@ -364,6 +364,8 @@ class Pool {
   // as a draining block behind the mark `seq`; the pieces before and after stay free.
   Block* start_draining(Block* free_block, std::uintptr_t address, std::size_t bytes, std::uint64_t seq);
   void split(Block* block, std::size_t size);
+  // The bytes of `block` past `size` as a new block after it (free, in no index); `block` keeps `size`.
+  Block* split_off(Block* block, std::size_t size);
   void insert_free(Block* block);
   void return_to_arena(Block* block);
   void recycle_completed();  // frees pending blocks whose events have completed (lock held)

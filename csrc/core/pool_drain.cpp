@@ -170,17 +170,8 @@ std::size_t Pool::map_from_draining(Region* region, PageRun run, std::size_t uni
     const std::uintptr_t address = pages.address_of(run.first) + mapped;
     if (!upstream_->map_from(address, source->address, take, unit)) break;  // fresh memory instead
     if (take < source->size) {  // the rest drains on, behind the same mark
-      Block* rest = new_block();
-      rest->address = source->address + take;
-      rest->size = source->size - take;
-      rest->region = region;
+      Block* rest = split_off(source, take);
       rest->state = BlockInfo::kDraining;
-      rest->freed_seq = source->freed_seq;
-      rest->prev = source;
-      rest->next = source->next;
-      if (source->next) source->next->prev = rest;
-      source->next = rest;
-      source->size = take;
       draining_.push_back(Draining{rest, draining_[i].seq, false});
     }
     draining_[i].lent = true;

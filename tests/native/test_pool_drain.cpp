@@ -14,12 +14,18 @@
 using namespace gpumem;
 using namespace gpumem_test;
 
-TEST(high_water_release_drains_without_waiting) {
-  Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
+// Streams behind the host; [a 8 free][b 8 live] on stream 0 under the high-water policy: returns b.
+static std::uintptr_t a_freed_before_b(Setup& s) {
   s.dev->set_auto_complete(false);
   std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
   std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
   s.pool->free(a);  // 8 MiB cached at the start of the region
+  return b;
+}
+
+TEST(high_water_release_drains_without_waiting) {
+  Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
+  const std::uintptr_t b = a_freed_before_b(s);
   std::uintptr_t c = s.pool->allocate(12 * MiB, 1);  // past the high water: a's pages go back
   DeviceStats st = s.pool->stats();
   CHECK_EQ(st.num_sync_all_streams, std::int64_t(0));      // nobody waited
@@ -132,10 +138,7 @@ TEST(pages_drain_behind_the_earliest_mark_after_their_free_not_a_new_one) {
 
 TEST(a_block_of_the_same_stream_maps_from_draining_pages_without_new_memory_or_a_wait) {
   Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
-  s.dev->set_auto_complete(false);
-  std::uintptr_t a = s.pool->allocate(8 * MiB, 0);
-  std::uintptr_t b = s.pool->allocate(8 * MiB, 0);
-  s.pool->free(a);  // 8 MiB cached at the start of the region
+  const std::uintptr_t b = a_freed_before_b(s);
   const std::uint64_t created = s.dev->physical_allocations();
   std::uintptr_t c = s.pool->allocate(12 * MiB, 0);  // past the high water: a's pages go back
   DeviceStats st = s.pool->stats();

@@ -1,12 +1,16 @@
 """What the pool remaps at a cap, on the CPU: each trace replayed on a simulated device uncapped and at
 1.02x and 1.05x its peak live bytes, with the bytes mapped over the whole replay (the first mapping
 included: uncapped, that is all there is), the physical allocations made and released ("units": what
-the driver's time goes by, ~60 us each on an H100 whatever their size), the upstream calls (JSON
-only) and OOMs; then the lowest capacity with 0 OOMs (``gpumem.replay.min_capacity``, 0.25%
-resolution).
+the driver's time goes by, ~60 us each on an H100 whatever their size), the driver's time for every
+unit call (``driver ms``: units created, mapped, unmapped and released, at the per-unit costs measured
+on an H100, ``gpumem.replay.DRIVER_US_PER_UNIT``), the upstream calls (JSON only) and OOMs; then the lowest capacity with 0 OOMs (``gpumem.replay.min_capacity``, 0.25%
+resolution). With ``--device-lag N`` the simulated device runs N operations behind the replay (as a GPU
+runs behind the host) and the table adds the waits at 1.02x and 1.05x: the times the pool made the host
+wait because pages it had to give back were still in use (each a stall on a GPU).
 
     python bench/remap_at_cap.py                       # bench/traces/*.trace.gz and the bundled traces
     python bench/remap_at_cap.py bench/traces/fbs_bert.trace.gz --release high_water
+    python bench/remap_at_cap.py --device-lag 100      # and the waits for a device running behind
 
 Bytes mapped beyond the uncapped figure are pages given back and mapped again because of the cap:
 each such unit costs driver calls on the GPU (and, when its last use may still be running, a wait).
@@ -19,19 +23,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def measure(trace: str, release: str, factors=(1.02, 1.05)) -> dict:
+def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0) -> dict:
     from gpumem.replay import min_capacity, replay
 
-    uncapped = replay(trace, release=release)
+    uncapped = replay(trace, release=release, device_lag=device_lag)
     peak = uncapped.peak_live_bytes
-    row = dict(trace=Path(trace).name.split(".")[0], release=release, peak_live_bytes=peak)
+    row = dict(trace=Path(trace).name.split(".")[0], release=release, device_lag=device_lag,
+               peak_live_bytes=peak)
     reports = [("uncapped", uncapped)] + [
-        (f"x{factor}", replay(trace, release=release, capacity=int(factor * peak))) for factor in factors]
+        (f"x{factor}", replay(trace, release=release, capacity=int(factor * peak), device_lag=device_lag))
+        for factor in factors]
     for key, report in reports:
         row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,
                         physical_units=report.physical_units, ooms=report.ooms,
-                        fragmentation=report.fragmentation)
-    row["min_capacity"] = min_capacity(trace, release=release).ratio
+                        fragmentation=report.fragmentation, waits=report.waits, driver_ms=report.driver_ms)
+    row["min_capacity"] = min_capacity(trace, release=release, device_lag=device_lag).ratio
     return row
 
 
@@ -40,18 +46,24 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="*",
                     help="trace files (default: bench/traces/ and gpumem's bundled ones)")
     ap.add_argument("--release", default="lazy", choices=("lazy", "high_water"))
+    ap.add_argument("--device-lag", type=int, default=0, metavar="OPS",
+                    help="the device runs OPS operations behind the replay; adds the waits (default 0)")
     ap.add_argument("--json", action="store_true", help="one JSON line per trace instead of the table")
     args = ap.parse_args(argv)
+    if args.device_lag < 0:
+        ap.error(f"--device-lag {args.device_lag} is negative")
+    lagged = args.device_lag > 0
     from gpumem.replay import bundled_traces
 
     traces = args.traces or sorted(str(p) for p in (HERE / "traces").glob("*.trace.gz")) + \
         [str(p) for p in bundled_traces()]
     if not args.json:
         print(f"{'trace':11s} {'GiB mapped: uncapped':>20s} {'1.02x':>7s} {'1.05x':>7s}   "
-              f"{'units: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'OOMs':>4s}  min capacity")
+              f"{'units: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'driver ms: 1.02x':>16s} {'1.05x':>6s}  "
+              f"{'OOMs':>4s}  " + (f"{'waits: 1.02x':>12s} {'1.05x':>5s}  " if lagged else "") + "min capacity")
     for trace in traces:
         try:
-            row = measure(trace, args.release)
+            row = measure(trace, args.release, device_lag=args.device_lag)
         except ValueError as e:  # a malformed or unreadable trace: say which, go on with the others
             print(f"{trace}: {e}", file=sys.stderr)
             continue
@@ -61,9 +73,11 @@ def main(argv=None) -> int:
         cols = [row[k] for k in ("uncapped", "x1.02", "x1.05")]
         gib = [c["mapped_bytes"] / 2**30 for c in cols]
         units = [c["physical_units"] for c in cols]
+        waits = f"{cols[1]['waits']:12d} {cols[2]['waits']:5d}  " if lagged else ""
+        driver = [c["driver_ms"] or 0.0 for c in cols]
         print(f"{row['trace']:11s} {gib[0]:20.2f} {gib[1]:7.2f} {gib[2]:7.2f}   {units[0]:15d} {units[1]:6d} "
-              f"{units[2]:6d}  {cols[1]['ooms'] + cols[2]['ooms']:4d}  {row['min_capacity']:.4f}x",
-              flush=True)
+              f"{units[2]:6d}  {driver[1]:16.1f} {driver[2]:6.1f}  {cols[1]['ooms'] + cols[2]['ooms']:4d}  "
+              f"{waits}{row['min_capacity']:.4f}x", flush=True)
     return 0
 
 

@@ -3,6 +3,7 @@ import gzip
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,94 @@ def test_cli_min_capacity_table_json_and_refusal():
     assert row["workload"] == "gpt_varlen" and 1.0 < row["ratio"] <= 1.01 and row["replays"] > 2
     r = run_cli("replay", "--min-capacity", "--capacity", "20GiB")
     assert r.returncode == 2 and "drop --capacity" in r.stderr
+
+
+# ----------------------------------------------------------------------------- a device running behind
+
+
+MiB = 1 << 20
+
+
+def _hole_then_larger(tmp_path):
+    """Two 24 MiB blocks, the first freed, then a 30 MiB one that does not fit its hole: under a 64 MiB
+    device the pool must give the hole's pages back, one operation after their block was freed."""
+    path = tmp_path / "hole.trace"
+    path.write_text(f"a 1 {24 * MiB} 0\na 2 {24 * MiB} 0\nf 1\na 3 {30 * MiB} 0\nf 2\nf 3\n")
+    return path
+
+
+def test_a_lagging_device_makes_the_pool_wait_for_pages_it_still_uses(tmp_path):
+    """With the device behind the host, pages freed a moment ago are still in use: taking them for
+    another block under the cap is a wait, and the model counts it; with no lag nothing is ever waited
+    for. The outcome is the same either way (no OOM, the device never over its capacity)."""
+    path = _hole_then_larger(tmp_path)
+    now = gpumem.replay(path, capacity=64 * MiB)
+    lagged = gpumem.replay(path, capacity=64 * MiB, device_lag=50)
+    assert now.waits == 0 and now.device_lag == 0
+    assert lagged.waits == 1 and lagged.device_lag == 50
+    assert now.ooms == lagged.ooms == 0
+    assert lagged.peak_reserved_bytes <= 64 * MiB
+    # Uncapped, nothing is given back: nothing to wait for, however far behind the device runs.
+    assert gpumem.replay(path, device_lag=50).waits == 0
+
+
+def test_events_complete_by_the_clock_on_a_lagging_device():
+    """The high-water policy releases without waiting: the released pages drain until the device's
+    clock has passed their mark (`lag` host steps), and only then go back. (On another stream, so that
+    they are not lent to the new block, which would keep them reserved either way.)"""
+    dev = gpumem.SimulatedDevice("vmm", capacity=1 << 30)
+    dev.lag = 3
+    assert dev.lag == 3
+    pool = gpumem.Pool(dev, release="high_water", page_size=2 * MiB)
+    a = pool.allocate(64 * MiB, stream=0)
+    pool.free(a)
+    b = pool.allocate(16 * MiB, stream=0)  # maps nothing: it takes the start of a's mapped pages
+    c = pool.allocate(80 * MiB, stream=1)  # past the live high water: a's other pages start draining
+    draining = pool.reserved_bytes
+    assert draining >= pool.allocated_bytes + 48 * MiB  # still mapped: the device has not passed the mark
+    dev.advance()
+    d = pool.allocate(2 * MiB, stream=1)  # polls the marks: one step is not enough
+    assert pool.reserved_bytes >= draining
+    for _ in range(2):
+        dev.advance()
+    e = pool.allocate(2 * MiB, stream=1)  # three steps: the mark has completed, the pages go back
+    assert pool.reserved_bytes < draining - 40 * MiB
+    assert dev.waits == 0
+    for p in (b, c, d, e):
+        pool.free(p)
+    pool.validate()
+    with pytest.raises(TypeError):
+        dev.lag = -1
+
+
+def test_the_driver_time_model_and_the_lag_on_a_recorded_trace():
+    """bench/traces/fbs_bert (3 equal BERT steps) at 1.05x its peak live bytes: on a device 100
+    operations behind, the pool waits, the waits are those the GPU showed (13 a step at a0ea530); the
+    modelled driver time is the per-unit cost of every unit call; uncapped, each unit is created and
+    mapped once."""
+    from gpumem.replay import DRIVER_US_PER_UNIT, modelled_driver_ms
+
+    trace = Path(__file__).resolve().parents[1] / "bench" / "traces" / "fbs_bert.trace.gz"
+    uncapped = gpumem.replay(trace, device_lag=100)
+    assert uncapped.waits == 0 and uncapped.ooms == 0
+    per_unit = (DRIVER_US_PER_UNIT["create"] + DRIVER_US_PER_UNIT["map"]) / 1e3
+    assert uncapped.driver_ms == pytest.approx(uncapped.physical_units * per_unit)
+    capped = gpumem.replay(trace, capacity=int(1.05 * uncapped.peak_live_bytes), device_lag=100)
+    assert capped.ooms == 0 and capped.waits >= 3 * 10
+    assert capped.driver_ms > 3 * uncapped.driver_ms  # remapping at the cap: units unmapped and mapped again
+    assert modelled_driver_ms(1, 1, 1, 1) == pytest.approx(sum(DRIVER_US_PER_UNIT.values()) / 1e3)
+    assert gpumem.replay(trace, upstream="segments").driver_ms is None
+
+
+def test_cli_device_lag_adds_the_waits_and_refuses_a_negative_lag(tmp_path):
+    path = _hole_then_larger(tmp_path)
+    r = run_cli("replay", "--quiet", "--capacity", "64MiB", "--device-lag", "50", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "running 50 operations behind" in r.stdout and "waits" in r.stdout
+    r = run_cli("replay", "--json", "--capacity", "64MiB", "--device-lag", "50", str(path))
+    row = json.loads(r.stdout)
+    assert row["waits"] == 1 and row["device_lag"] == 50
+    r = run_cli("replay", "--device-lag", "-1", str(path))
+    assert r.returncode == 2 and "--device-lag -1 is negative" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(ValueError, match="device_lag"):
+        gpumem.replay(path, device_lag=-5)

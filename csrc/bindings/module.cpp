@@ -192,7 +192,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("physical_allocations", &SimulatedDevice::physical_allocations,
                              "Physical allocations made so far (a map of n units counts n, a segment 1).")
       .def_property_readonly("physical_releases", &SimulatedDevice::physical_releases,
-                             "Physical allocations released so far.");
+                             "Physical allocations released so far.")
+      .def_property_readonly("unit_maps", &SimulatedDevice::unit_maps,
+                             "Physical units mapped so far (new, kept or shared alike).")
+      .def_property_readonly("unit_unmaps", &SimulatedDevice::unit_unmaps, "Physical units unmapped so far.")
+      .def_property("lag", &SimulatedDevice::lag, &SimulatedDevice::set_lag,
+                    "Host steps an event takes to complete (0: none, events complete when recorded). "
+                    "A replay advances the clock once per operation.")
+      .def("advance", &SimulatedDevice::advance, "One host step of the lag's clock.")
+      .def_property_readonly("waits", &SimulatedDevice::waits,
+                             "Times the host waited for work the device had not done yet.");
 
   m.def("cuda_upstreams_built", &cuda_upstreams_built);
   m.def("cuda_available", &cuda_available);
@@ -405,17 +414,21 @@ PYBIND11_MODULE(_C, m) {
         return std::make_shared<Trace>(load_trace(path));
       }, py::arg("path"), "Parses a trace file (plain or gzip); raises ValueError 'file:line: ...'.");
   m.def("replay",
-        [](const Trace& trace, Pool& pool, py::object progress) {
+        [](const Trace& trace, Pool& pool, py::object progress, std::shared_ptr<SimulatedDevice> clock) {
           std::function<void(std::size_t, std::size_t)> cb;
           if (!progress.is_none())
             cb = [&progress](std::size_t done, std::size_t total) {
               py::gil_scoped_acquire gil;
               progress(done, total);
             };
-          ReplayResult r = without_gil([&] { return replay(trace, pool, cb); });
+          std::function<void()> tick;
+          if (clock) tick = [&clock] { clock->advance(); };
+          ReplayResult r = without_gil([&] { return replay(trace, pool, cb, tick); });
           return replay_dict(r);
         },
-        py::arg("trace"), py::arg("pool"), py::arg("progress") = py::none());
+        py::arg("trace"), py::arg("pool"), py::arg("progress") = py::none(), py::arg("clock") = py::none(),
+        "Replays `trace` through `pool`; `clock`, a SimulatedDevice, has its lag's clock advanced once "
+        "per operation.");
 
   m.def("parse_config",
         [](const std::string& text, const std::string& source) {

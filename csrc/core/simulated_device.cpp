@@ -125,6 +125,7 @@ bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes, std::size_t
     mapped[p] = (p - first) % unit == 0 ? static_cast<std::uint16_t>(unit) : kMember;
   used_ += fresh;
   physical_allocations_ += fresh / page;
+  unit_maps_ += bytes / page;
   return true;
 }
 
@@ -140,6 +141,7 @@ void SimulatedDevice::unmap(std::uintptr_t address, std::size_t bytes, std::size
     throw UpstreamError("simulated device: injected failure in unmap");
   }
   for (std::size_t p = first; p < end; ++p) mapped[p] = 0;
+  unit_unmaps_ += bytes / page;
   for (std::uintptr_t a = address; a < address + bytes; a += page) {
     auto shared = shared_unit_at_.find(a);
     if (shared != shared_unit_at_.end()) {
@@ -194,6 +196,7 @@ bool SimulatedDevice::map_from(std::uintptr_t address, std::uintptr_t source, st
     ++shared_mappings_[it->second];
   }
   aliased_units_ += bytes / page;
+  unit_maps_ += bytes / page;
   return true;
 }
 
@@ -225,16 +228,16 @@ std::uint64_t SimulatedDevice::kept_units() const {
 EventId SimulatedDevice::record_event(StreamId stream) {
   StreamWork& w = streams_[stream];
   ++w.queued;
-  if (auto_complete_) w.completed = w.queued;
+  if (auto_complete_ && lag_ == 0) w.completed = w.queued;
   EventId id = next_event_++;
-  events_[id] = Event{stream, w.queued};
+  events_[id] = Event{stream, w.queued, clock_};
   return id;
 }
 
 bool SimulatedDevice::event_completed(EventId event) {
   auto it = events_.find(event);
   if (it == events_.end()) throw std::logic_error("simulated device: query of an unknown event");
-  return streams_[it->second.stream].completed >= it->second.ticket;
+  return streams_[it->second.stream].completed >= it->second.ticket || done_by_clock(it->second);
 }
 
 void SimulatedDevice::destroy_event(EventId event) {
@@ -245,7 +248,21 @@ void SimulatedDevice::wait_event(EventId event) {
   auto it = events_.find(event);
   if (it == events_.end()) throw std::logic_error("simulated device: wait for an unknown event");
   StreamWork& w = streams_[it->second.stream];
+  if (w.completed < it->second.ticket && !done_by_clock(it->second)) ++waits_;
   w.completed = std::max(w.completed, it->second.ticket);
+}
+
+void SimulatedDevice::synchronize(StreamId stream) {
+  StreamWork& w = streams_[stream];
+  if (w.completed < w.queued) {
+    // Outstanding unless every event still queued on the stream is done by the clock.
+    for (const auto& [id, e] : events_)
+      if (e.stream == stream && e.ticket > w.completed && !done_by_clock(e)) {
+        ++waits_;
+        break;
+      }
+  }
+  complete(stream);
 }
 
 void SimulatedDevice::complete(StreamId stream) {

@@ -45,11 +45,20 @@ class SimulatedDevice : public Upstream {
   void destroy_event(EventId event) override;
   // Completes the event's stream up to the event (later work stays queued): a device that runs behind.
   void wait_event(EventId event) override;
-  void synchronize(StreamId stream) override { complete(stream); }
+  void synchronize(StreamId stream) override;
 
   // Test controls. With auto_complete (the default) every stream's work is done as soon as it is
   // queued; without it, work on a stream completes only at complete() / complete_all().
   void set_auto_complete(bool on) { auto_complete_ = on; }
+  // A device running behind the host, for replays: with a lag of N (> 0), an event completes once the
+  // host has taken N more steps (advance()) since it was recorded, or once the host waited for it;
+  // auto_complete no longer applies to events. 0 (the default) turns the lag off.
+  void set_lag(std::uint64_t steps) { lag_ = steps; }
+  std::uint64_t lag() const { return lag_; }
+  void advance() { ++clock_; }  // one host step (a replay: one allocation or free)
+  // Times the host had to wait for work not yet done (wait_event on an event not yet complete,
+  // synchronize with work outstanding): with a lag, each is a stall a real GPU run would pay.
+  std::uint64_t waits() const { return waits_; }
   void complete(StreamId stream);
   // Completes the work of `stream` up to its oldest event not yet done (events complete one by one,
   // later than they were recorded, as on a device running behind the host).
@@ -66,6 +75,10 @@ class SimulatedDevice : public Upstream {
   std::uint64_t physical_allocations() const { return physical_allocations_; }
   std::uint64_t physical_releases() const { return physical_releases_; }
   std::uint64_t kept_units() const;  // units unmapped and kept, not yet mapped again or released
+  // Units mapped (new, kept or map_from()'s alike) and unmapped so far: with the allocations and
+  // releases, every per-unit driver call a CUDA run makes (cuMemMap + cuMemSetAccess, cuMemUnmap).
+  std::uint64_t unit_maps() const { return unit_maps_; }
+  std::uint64_t unit_unmaps() const { return unit_unmaps_; }
   // Units map_from() mapped a second time (no new memory), and those now mapped at two addresses.
   std::uint64_t aliased_units() const { return aliased_units_; }
   std::size_t units_mapped_twice() const;
@@ -93,16 +106,22 @@ class SimulatedDevice : public Upstream {
 
   struct StreamWork { std::uint64_t queued = 0, completed = 0; };
   std::unordered_map<StreamId, StreamWork> streams_;
-  struct Event { StreamId stream; std::uint64_t ticket; };
+  struct Event { StreamId stream; std::uint64_t ticket; std::uint64_t recorded_at; };
   std::unordered_map<EventId, Event> events_;
   EventId next_event_ = 1;
   bool auto_complete_ = true;
+  std::uint64_t lag_ = 0;    // host steps an event takes to complete (0: no lag)
+  std::uint64_t clock_ = 0;  // host steps so far (advance())
+  std::uint64_t waits_ = 0;
+  bool done_by_clock(const Event& e) const { return lag_ != 0 && clock_ >= e.recorded_at + lag_; }
 
   FaultPlan faults_;
   std::mt19937_64 rng_{1};
   std::uint64_t memory_calls_ = 0;
   std::uint64_t physical_allocations_ = 0;
   std::uint64_t physical_releases_ = 0;
+  std::uint64_t unit_maps_ = 0;
+  std::uint64_t unit_unmaps_ = 0;
   bool keep_ = false;
   std::map<std::size_t, std::uint64_t> kept_;  // kept units by bytes (they count in used_)
   // Physical units that map_from() shared: the address of each mapping's unit -> the unit's id, and

@@ -44,8 +44,10 @@ struct ReplayResult {
 };
 
 // Replays every operation; an allocation that fails counts as an OOM and its free is skipped.
-// `progress(done, total)` is called every few thousand operations.
+// `progress(done, total)` is called every few thousand operations; `before_each`, when set, before
+// every operation (a lagging simulated device's clock: SimulatedDevice::advance).
 ReplayResult replay(const Trace& trace, Pool& pool,
-                    const std::function<void(std::size_t, std::size_t)>& progress = {});
+                    const std::function<void(std::size_t, std::size_t)>& progress = {},
+                    const std::function<void()>& before_each = {});
 
 }  // namespace gpumem

@@ -10,7 +10,8 @@
 namespace gpumem {
 
 ReplayResult replay(const Trace& trace, Pool& pool,
-                    const std::function<void(std::size_t, std::size_t)>& progress) {
+                    const std::function<void(std::size_t, std::size_t)>& progress,
+                    const std::function<void()>& before_each) {
   ReplayResult r;
   std::vector<std::uintptr_t> address(trace.allocations, 0);
   std::vector<std::uint64_t> size(trace.allocations, 0);
@@ -23,6 +24,7 @@ ReplayResult replay(const Trace& trace, Pool& pool,
     auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = start; i < end; ++i) {
       const TraceOp& op = trace.ops[i];
+      if (before_each) before_each();
       if (op.is_alloc) {
         r.allocations++;
         try {

@@ -30,6 +30,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gpumem replay: {e}", file=sys.stderr)
         return 2
+    if args.device_lag < 0:
+        print(f"gpumem replay: --device-lag {args.device_lag} is negative (operations the device runs "
+              "behind; 0 = none)", file=sys.stderr)
+        return 2
     if args.min_capacity:
         if not 0 < args.tolerance < 1:
             print(f"gpumem replay: --tolerance {args.tolerance} is not a fraction in (0, 1)", file=sys.stderr)
@@ -47,7 +51,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"{path}:", file=sys.stderr)
         try:
             reports.append(replay(path, upstream=args.upstream, capacity=capacity, page_size=page_size,
-                                  release=args.release, progress=progress))
+                                  release=args.release, progress=progress, device_lag=args.device_lag))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -55,11 +59,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for r in reports:
             print(r.to_json())
         return 0
+    lagged = args.device_lag > 0
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}, simulated device of "
-          f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB")
+          f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB"
+          + (f", running {args.device_lag} operations behind" if lagged else ""))
     header = (f"{'trace':<14} {'peak live GiB':>13} {'peak reserved GiB':>17} {'ratio':>7} "
-              f"{'upstream calls':>14} {'ns/pair':>8} {'OOMs':>5} "
-              f"| PyTorch live on H200: native / expandable / async")
+              f"{'upstream calls':>14} {'ns/pair':>8} {'OOMs':>5} " + (f"{'waits':>6} " if lagged else "")
+              + "| PyTorch live on H200: native / expandable / async")
     print(header)
     print("-" * len(header))
     for r in reports:
@@ -68,11 +74,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     if ref else "n/a")
         print(f"{r.workload:<14} {_gib(r.peak_live_bytes):>13} {_gib(r.peak_reserved_bytes):>17} "
               f"{r.fragmentation:>7.4f} {r.upstream_calls:>14,} {r.ns_per_pair:>8.1f} {r.ooms:>5} "
-              f"| {ref_text}")
+              + (f"{r.waits:>6} " if lagged else "") + f"| {ref_text}")
         if r.ooms:
             print(f"  first OOM: {r.first_oom}")
     print("\nratio = peak reserved / peak live (lower is better; 1.0 is the floor). "
-          "ns/pair = CPU time of the pool per allocate+free.")
+          "ns/pair = CPU time of the pool per allocate+free."
+          + (" waits = times the pool made the host wait for the device (pages it had to give back "
+             "were still in use)." if lagged else ""))
     return 0
 
 
@@ -83,7 +91,8 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
             print(f"{path}: searching the lowest capacity with 0 OOMs", file=sys.stderr)
         try:
             results.append(min_capacity(path, tolerance=args.tolerance, upstream=args.upstream,
-                                        page_size=page_size, release=args.release))
+                                        page_size=page_size, release=args.release,
+                                        device_lag=args.device_lag))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -164,6 +173,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="vmm page size, a multiple of 2MiB (default: gpumem's, 8MiB)")
     p.add_argument("--release", choices=["lazy", "high_water"], default="lazy",
                    help="release policy (default lazy, gpumem's default)")
+    p.add_argument("--device-lag", type=int, default=0, metavar="OPS",
+                   help="the simulated device runs OPS operations behind the replay, as a GPU runs behind "
+                        "the host, and the table counts the waits the pool made for it (default 0: "
+                        "every event has completed when recorded)")
     p.add_argument("--min-capacity", action="store_true",
                    help="instead: the lowest simulated capacity at which each trace replays with 0 OOMs, "
                         "as a multiple of its peak live bytes (bisected to --tolerance)")

@@ -43,12 +43,31 @@ class ReplayReport:
     # Physical allocations made plus released on the device (a unit of 2-20 MiB costs a real driver
     # about the same: ~60 us to create, map and give access, then unmap and release, on an H100).
     physical_units: int
+    # The CUDA driver's time for the unit calls of the replay on a vmm upstream, modelled with the
+    # per-unit costs measured on an H100 (DRIVER_US_PER_UNIT); None on a segments upstream.
+    driver_ms: Optional[float]
+    # The simulated device's lag (host operations an event takes to complete; 0: none) and the times
+    # the pool made the host wait for it (an allocation under a cap whose room was still draining).
+    device_lag: int
+    waits: int
     ns_per_pair: float
     ooms: int
     first_oom: str
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+#: Microseconds the CUDA driver takes per physical unit, whatever its size (2, 8 or 20 MiB alike),
+#: measured with ctypes on libcuda on an H100 (README, "At the cap"): cuMemCreate 9-11, cuMemMap 2 plus
+#: cuMemSetAccess 22, cuMemUnmap 17, cuMemRelease 10-17.
+DRIVER_US_PER_UNIT = {"create": 10.0, "map": 24.0, "unmap": 17.0, "release": 13.0}
+
+
+def modelled_driver_ms(creates: int, maps: int, unmaps: int, releases: int) -> float:
+    """The driver's time for these unit calls on an H100, by DRIVER_US_PER_UNIT, in milliseconds."""
+    us = DRIVER_US_PER_UNIT
+    return (creates * us["create"] + maps * us["map"] + unmaps * us["unmap"] + releases * us["release"]) / 1e3
 
 
 def bundled_traces() -> list[Path]:
@@ -71,6 +90,7 @@ def replay(
     release_slack: Optional[float] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     limit: Optional[int] = None,
+    device_lag: int = 0,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -78,17 +98,23 @@ def replay(
     (cudaMalloc-style regions); ``capacity`` is the simulated device's memory in bytes; ``page_size``
     the bytes per page of large arenas (a multiple of 2 MiB; small arenas use 2 MiB pages);
     ``limit`` bounds the pool's reserved bytes on that device as ``set_per_process_memory_fraction``
-    does in PyTorch (``Pool.set_limit``). Raises ``ValueError`` with ``file:line`` for a malformed trace.
+    does in PyTorch (``Pool.set_limit``); ``device_lag`` makes the device run that many operations behind
+    the replay (an event recorded at one operation completes ``device_lag`` operations later, as a GPU runs
+    behind the host), and the report counts the ``waits`` the pool made for it. Raises ``ValueError`` with
+    ``file:line`` for a malformed trace.
     """
+    if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
+        raise ValueError(f"device_lag must be a whole number of operations >= 0, got {device_lag!r}")
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
     page_size = _C.DEFAULT_PAGE_SIZE if page_size is None else page_size
     loaded = _load(Path(trace))
     device = _C.SimulatedDevice(upstream, capacity)  # CUDA's 2 MiB granularity
+    device.lag = device_lag
     options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
     pool = _C.Pool(device, release=release, page_size=page_size, **options)
     if limit is not None:
         pool.set_limit(limit)
-    result = _C.replay(loaded, pool, progress)
+    result = _C.replay(loaded, pool, progress, device if device_lag else None)
     return ReplayReport(
         trace=str(trace),
         workload=loaded.workload or Path(trace).name.split(".")[0],
@@ -102,6 +128,10 @@ def replay(
                                   "upstream_calls", "ns_per_pair", "ooms", "first_oom")},
         mapped_bytes=pool.stats()["reserved_bytes"]["all"]["allocated"],
         physical_units=device.physical_allocations + device.physical_releases,
+        driver_ms=(modelled_driver_ms(device.physical_allocations, device.unit_maps, device.unit_unmaps,
+                                      device.physical_releases) if upstream == "vmm" else None),
+        device_lag=device_lag,
+        waits=device.waits,
     )
 
 

@@ -2,7 +2,7 @@
 
     python bench/pressure.py [--workloads moe,bert] [--allocators native,expandable,gpumem] [--quick]
                              [--repeats 3] [--passes 2] [--json OUT.json] [--jobs 8] [--budget-s 420]
-                             [--dry-run] [--device cpu]
+                             [--resume EARLIER.json] [--dry-run] [--device cpu]
 
 For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
 vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
@@ -20,7 +20,8 @@ release:high_water; rmm where RAPIDS RMM imports), one process per run:
     90% of the device), every allocator's unfinished search in the same round, each split into as many
     points as the round has room for. A trial ends at its first OOM. One that met a device short of
     memory (not its cap) runs again alone. Past --budget-s seconds no new round starts: the searches
-    left report their bracket. A trial runs the step list once.
+    left report their bracket, and a later call with --resume (this call's --json) goes on from it,
+    keeping P, the timed runs and every trial. A trial runs the step list once.
 
 What is timed. Every workload's shapes change from step to step, so each step of a run's first pass
 over its step list meets its shapes for the first time and pays their one-time costs (cuBLAS
@@ -296,6 +297,15 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
     for a, extra in repeat_timed(workload, list(searches), TIMED_CAP, rows, runner, args.repeats).items():
         if any(not passed(r) for r in extra):  # an OOM in any of the timed runs fails the point
             searches[a].record(TIMED_CAP, False)
+    rounds = search_rounds(workload, rows, searches, runner, args, deadline)
+    return dict(peak_allocated=P, total_bytes=runner.total, rounds=rounds, rows=list(rows.values()))
+
+
+def search_rounds(workload: str, rows: dict, searches: dict, runner: Runner, args, deadline: float) -> int:
+    """Rounds of parallel trials until every search is done or the deadline has passed; each row gets
+    its search's result. Returns the rounds run."""
+    P = runner.peak[workload]
+    ceiling = DEVICE_SHARE * runner.total / P
     rounds = 0
     while any(not s.done() for s in searches.values()) and time.monotonic() < deadline:
         active = [a for a, s in searches.items() if not s.done()]
@@ -317,7 +327,48 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
         rounds += 1
     for a, s in searches.items():
         rows[a].update(s.result())
-    return dict(peak_allocated=P, total_bytes=runner.total, rounds=rounds, rows=list(rows.values()))
+    return rounds
+
+
+def resume(workload: str, earlier: dict, runner: Runner, args, deadline: float) -> dict:
+    """Goes on with the cap searches of an earlier run of `workload` (its result in --resume's JSON):
+    its P, device, timed figures and trials are kept, each search starts from its bracket (at this
+    run's --tolerance) and runs rounds until done or the deadline. Rows without a search (an error in
+    the earlier run) stay as they were."""
+    rows = {r["allocator"]: dict(r) for r in earlier["rows"]}
+    runner.peak[workload] = earlier["peak_allocated"]
+    runner.total = runner.total or earlier["total_bytes"]
+    ceiling = DEVICE_SHARE * runner.total / earlier["peak_allocated"]
+    searches = {}
+    for a, row in rows.items():
+        if "trials" in row:
+            searches[a] = Search(args.tolerance, ceiling)
+            for cap, ok in row["trials"].items():
+                searches[a].record(float(cap), bool(ok))
+    rounds = search_rounds(workload, rows, searches, runner, args, deadline)
+    return dict(earlier, rounds=earlier.get("rounds", 0) + rounds, resumed=earlier.get("resumed", 0) + 1,
+                rows=list(rows.values()))
+
+
+def load_earlier(path: str, args) -> dict:
+    """--resume's JSON (a --json file of this bench), checked against this run's settings: trials of a
+    run with other steps (--quick) or on another device do not continue a search. Raises ValueError
+    saying what is wrong."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        results, earlier_args = doc["results"], doc["args"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume {path}: not a JSON file written by --json ({type(e).__name__}: {e})")
+    for key in ("quick", "device"):
+        if earlier_args.get(key) != getattr(args, key):
+            raise ValueError(f"--resume {path}: its run had {key}={earlier_args.get(key)!r}, this one "
+                             f"{getattr(args, key)!r}: its trials ran other steps")
+    for w, res in results.items():
+        if not isinstance(res, dict) or not isinstance(res.get("rows"), list) or (
+                "peak_allocated" not in res and args.device == "cuda"):
+            raise ValueError(f"--resume {path}: workload {w!r} has no rows or peak: not this bench's JSON")
+    return doc
 
 
 # ----------------------------------------------------------------------------- the table
@@ -412,6 +463,11 @@ def parse_args(argv=None):
     ap.add_argument("--jobs", type=int, default=8, help="trials at once on the GPU, at most")
     ap.add_argument("--budget-s", type=float, default=420, help="no new search round after this many seconds")
     ap.add_argument("--json", help="write every figure and trial to this file")
+    ap.add_argument("--resume", metavar="JSON",
+                    help="go on with the cap searches of an earlier run (its --json file): its workloads' "
+                         "timed figures and trials are kept, each unfinished search continues from its "
+                         "bracket; workloads it lacks are measured from the start. The new --json holds "
+                         "the earlier run's other workloads too, so calls can be chained")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: each workload's code once, tiny, no allocator or cap (CI)")
@@ -439,6 +495,12 @@ def parse_args(argv=None):
         ap.error("--repeats must be at least 1")
     if args.passes < 1:
         ap.error("--passes must be at least 1")
+    args.earlier = None
+    if args.resume:
+        try:
+            args.earlier = load_earlier(args.resume, args)
+        except ValueError as e:
+            ap.error(str(e))
     return args
 
 
@@ -447,7 +509,13 @@ def plan(args) -> str:
              f"{', '.join(args.allocators)}{' (+rmm if it imports)' if args.rmm_auto else ''}"]
     passes = (f", {args.passes} passes over the steps" if args.passes > 1 else ", 1 pass") + " each"
     first = "native" if "native" in args.allocators else args.allocators[0]  # as measure() orders them
+    earlier = args.earlier["results"] if args.earlier else {}
     for w in args.workloads:
+        if w in earlier and args.device == "cuda":
+            left = [r["allocator"] for r in earlier[w]["rows"] if "trials" in r and not r.get("converged")]
+            lines.append(f"{w}: resumed from {args.resume} (P and timed runs kept); searches left: "
+                         f"{', '.join(left) or 'none'}, to {args.tolerance:g} P, up to {args.jobs} trials at once")
+            continue
         if args.device == "cpu":  # no allocator on the CPU: the first one's runs alone (see measure)
             lines.append(f"{w}: uncapped alone x{args.repeats}{passes} ({first} only: no allocator on the CPU)")
             continue
@@ -468,15 +536,23 @@ def main(argv=None) -> int:
         return 0
     start = time.monotonic()
     runner = Runner(args)
+    earlier = args.earlier["results"] if args.earlier else {}
     results = {}
+    if args.earlier:  # the earlier run's trials and other workloads stay in this run's JSON
+        runner.log = list(args.earlier.get("trials", []))
+        results = {w: res for w, res in earlier.items() if w not in args.workloads}
     for w in args.workloads:
         t0 = time.monotonic()
-        results[w] = measure(w, args.allocators, runner, args, start + args.budget_s)
+        if w in earlier and args.device == "cuda":
+            results[w] = resume(w, earlier[w], runner, args, start + args.budget_s)
+        else:
+            results[w] = measure(w, args.allocators, runner, args, start + args.budget_s)
         print(f"{w}: {time.monotonic() - t0:.0f} s", flush=True)
         # Each workload's figures are out (table and JSON) before the next starts, so a call that the
         # device's time limit cuts short still keeps what it measured.
         print(table({w: results[w]}), flush=True)
-        doc = dict(args=dict(vars(args)), results=results, trials=runner.log, seconds=time.monotonic() - start)
+        kept = {k: v for k, v in vars(args).items() if k != "earlier"}
+        doc = dict(args=kept, results=results, trials=runner.log, seconds=time.monotonic() - start)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)

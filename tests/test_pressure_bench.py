@@ -285,3 +285,91 @@ def test_growth_cost_plans_and_runs_tiny_on_the_cpu(tmp_path):
     assert all(r["length"] in (32, 64) and r["ms"] > 0 for r in res["varlen"])
     assert doc["map"] is None
     assert "(c) gpumem's map path" in r.stdout and "not run (no CUDA device)" in r.stdout
+
+
+# ----------------------------------------------------------------------------- --resume
+
+
+class ThresholdRunner(pressure.Runner):
+    """A trial passes at caps from `threshold` up, as a deterministic workload's run does; nothing is
+    started (the trials themselves need the GPU machine)."""
+
+    def __init__(self, args, threshold):
+        super().__init__(args)
+        self.threshold, self.tried = threshold, []
+
+    def parallel(self, trials):
+        for t in trials:
+            self.tried.append((t.allocator, t.cap))
+            t.result = dict(ooms=0 if t.cap >= self.threshold else 1)
+            self.log.append(dict(t.result, workload=t.workload, allocator=t.allocator, cap=t.cap))
+
+
+def earlier_run(tmp_path, quick=False):
+    """An earlier call's JSON: bert's native search cut off with its bracket (1.05, 1.2], gpumem's done,
+    expandable's never started (its capped run failed); moe measured in full."""
+    rows = [dict(allocator="native", uncapped_step_ms=30.0, lowest_cap=1.2, highest_failing=1.05,
+                 converged=False, trials={"1.0500": False, "1.2000": True}),
+            dict(allocator="gpumem", uncapped_step_ms=31.0, lowest_cap=1.0075, highest_failing=1.005,
+                 converged=True, trials={"1.0050": False, "1.0075": True, "1.0500": True}),
+            dict(allocator="expandable", uncapped_step_ms=29.0, capped_error="boom")]
+    doc = dict(args=dict(quick=quick, device="cuda"),
+               results=dict(bert=dict(peak_allocated=10 << 30, total_bytes=80 << 30, rounds=2, rows=rows),
+                            moe=dict(peak_allocated=5 << 30, total_bytes=80 << 30, rounds=3,
+                                     rows=[dict(allocator="native", lowest_cap=1.1, converged=True,
+                                                trials={"1.1000": True})])),
+               trials=[dict(workload="bert", allocator="native", cap=1.2, ooms=0)])
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_resume_goes_on_from_each_bracket_and_keeps_the_rest(tmp_path):
+    path = earlier_run(tmp_path)
+    args = pressure.parse_args(["--workloads", "bert", "--resume", str(path)])
+    runner = ThresholdRunner(args, threshold=1.1234)
+    res = pressure.resume("bert", args.earlier["results"]["bert"], runner, args, deadline=float("inf"))
+    rows = {r["allocator"]: r for r in res["rows"]}
+    native = rows["native"]
+    assert native["converged"] and 1.1234 <= native["lowest_cap"] <= 1.1234 + 0.0025 + 1e-9
+    assert native["uncapped_step_ms"] == 30.0  # the earlier timed figures stay
+    assert native["trials"]["1.0500"] is False and native["trials"]["1.2000"] is True  # and its trials
+    tried = {a for a, _ in runner.tried}
+    assert tried == {"native"}  # gpumem's search was done, expandable's never started
+    assert all(1.05 < cap < 1.2 for _, cap in runner.tried)  # inside the earlier bracket only
+    assert rows["gpumem"]["lowest_cap"] == 1.0075 and rows["expandable"]["capped_error"] == "boom"
+    assert res["rounds"] > 2 and res["resumed"] == 1 and res["peak_allocated"] == 10 << 30
+    assert runner.peak["bert"] == 10 << 30 and runner.total == 80 << 30
+
+
+def test_resume_plan_chaining_and_refusals(tmp_path):
+    path = earlier_run(tmp_path)
+    r = run("--dry-run", "--workloads", "bert,ckpt", "--resume", path)
+    assert r.returncode == 0, r.stderr
+    assert f"bert: resumed from {path} (P and timed runs kept); searches left: native, to 0.0025 P" \
+        in r.stdout
+    assert "ckpt: uncapped alone" in r.stdout  # a workload the earlier run lacks: measured from the start
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    r = run("--dry-run", "--resume", bad)
+    assert r.returncode == 2 and "not a JSON file written by --json" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run("--dry-run", "--quick", "--resume", path)
+    assert r.returncode == 2 and "its run had quick=False, this one True" in r.stderr
+    r = run("--dry-run", "--resume", tmp_path / "missing.json")
+    assert r.returncode == 2 and "missing.json" in r.stderr
+
+
+def test_resume_on_the_cpu_keeps_the_earlier_workloads_in_the_new_json(tmp_path):
+    """Chained calls (the path CI can run): bert measured, then moe with --resume of the first JSON; the
+    second JSON holds both, and the first call's trials."""
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    r = run("--device", "cpu", "--workloads", "bert", "--json", first)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run("--device", "cpu", "--workloads", "moe", "--resume", first, "--json", second)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(second.read_text())
+    assert set(doc["results"]) == {"bert", "moe"}
+    assert doc["results"]["bert"] == json.loads(first.read_text())["results"]["bert"]
+    assert len(doc["trials"]) == len(json.loads(first.read_text())["trials"]) + 1
+    assert doc["args"]["resume"] == str(first) and "earlier" not in doc["args"]

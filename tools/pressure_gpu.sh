@@ -4,6 +4,8 @@
 # `bash tools/gpu_session.sh build` first). Logs to $OUT.
 #   bash tools/pressure_gpu.sh tests       # GPU tests of the CUDA upstreams and the bridge (release paths, ipc key)
 #   bash tools/pressure_gpu.sh 1|2|3       # the benchmark, one third of the workloads per call
+#   RESUME=F bash tools/pressure_gpu.sh 1  # ... going on with the searches of an earlier call's JSON F
+#                                          # (pressure_1.json, brought back from $OUT and carried)
 #   bash tools/pressure_gpu.sh growth      # what growing the pool costs per allocator (~2 min)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"  # repository root, $OUT, the carried RMM wheels on the path
@@ -17,6 +19,7 @@ case "${1:-}" in
   2) W=ckpt,varlen,vit ;;&
   3) W=resnet,allocfree ;;&
   1|2|3) timeout 480 python3 bench/pressure.py --workloads "$W" --budget-s 400 --json "$OUT/pressure_$1.json" \
+           ${RESUME:+--resume "$RESUME"} \
            > "$OUT/pressure_$1.log" 2>&1; echo "rc=$?"; tail -25 "$OUT/pressure_$1.log" ;;
   *) echo "usage: $0 tests|growth|1|2|3" >&2; exit 2 ;;
 esac

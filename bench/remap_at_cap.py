@@ -6,7 +6,8 @@ unit call (``driver ms``: units created, mapped, unmapped and released, at the p
 on an H100, ``gpumem.replay.DRIVER_US_PER_UNIT``), the upstream calls (JSON only) and OOMs; then the lowest capacity with 0 OOMs (``gpumem.replay.min_capacity``, 0.25%
 resolution). With ``--device-lag N`` the simulated device runs N operations behind the replay (as a GPU
 runs behind the host) and the table adds the waits at 1.02x and 1.05x: the times the pool made the host
-wait because pages it had to give back were still in use (each a stall on a GPU).
+wait because pages it had to give back were still in use (each a stall on a GPU), and in brackets the
+operations the device still had to run for them (the stalls' length).
 
     python bench/remap_at_cap.py                       # bench/traces/*.trace.gz and the bundled traces
     python bench/remap_at_cap.py bench/traces/fbs_bert.trace.gz --release high_water
@@ -36,7 +37,8 @@ def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0)
     for key, report in reports:
         row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,
                         physical_units=report.physical_units, ooms=report.ooms,
-                        fragmentation=report.fragmentation, waits=report.waits, driver_ms=report.driver_ms)
+                        fragmentation=report.fragmentation, waits=report.waits,
+                        waited_operations=report.waited_operations, driver_ms=report.driver_ms)
     row["min_capacity"] = min_capacity(trace, release=release, device_lag=device_lag).ratio
     return row
 
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
     if not args.json:
         print(f"{'trace':11s} {'GiB mapped: uncapped':>20s} {'1.02x':>7s} {'1.05x':>7s}   "
               f"{'units: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'driver ms: 1.02x':>16s} {'1.05x':>6s}  "
-              f"{'OOMs':>4s}  " + (f"{'waits: 1.02x':>12s} {'1.05x':>5s}  " if lagged else "") + "min capacity")
+              f"{'OOMs':>4s}  " + (f"{'waits (ops): 1.02x':>18s} {'1.05x':>11s}  " if lagged else "")
+              + "min capacity")
     for trace in traces:
         try:
             row = measure(trace, args.release, device_lag=args.device_lag)
@@ -73,7 +76,8 @@ def main(argv=None) -> int:
         cols = [row[k] for k in ("uncapped", "x1.02", "x1.05")]
         gib = [c["mapped_bytes"] / 2**30 for c in cols]
         units = [c["physical_units"] for c in cols]
-        waits = f"{cols[1]['waits']:12d} {cols[2]['waits']:5d}  " if lagged else ""
+        waits = (f"{cols[1]['waits']:10d} ({cols[1]['waited_operations']:5d}) "
+                 f"{cols[2]['waits']:3d} ({cols[2]['waited_operations']:5d})  ") if lagged else ""
         driver = [c["driver_ms"] or 0.0 for c in cols]
         print(f"{row['trace']:11s} {gib[0]:20.2f} {gib[1]:7.2f} {gib[2]:7.2f}   {units[0]:15d} {units[1]:6d} "
               f"{units[2]:6d}  {driver[1]:16.1f} {driver[2]:6.1f}  {cols[1]['ooms'] + cols[2]['ooms']:4d}  "

@@ -180,6 +180,9 @@ def test_a_lagging_device_makes_the_pool_wait_for_pages_it_still_uses(tmp_path):
     lagged = gpumem.replay(path, capacity=64 * MiB, device_lag=50)
     assert now.waits == 0 and now.device_lag == 0
     assert lagged.waits == 1 and lagged.device_lag == 50
+    # The mark for the hole's pages is recorded when the cap needs them: the wait is for all 50
+    # operations the device is behind.
+    assert lagged.waited_operations == 50 and now.waited_operations == 0
     assert now.ooms == lagged.ooms == 0
     assert lagged.peak_reserved_bytes <= 64 * MiB
     # Uncapped, nothing is given back: nothing to wait for, however far behind the device runs.

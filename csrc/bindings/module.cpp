@@ -201,7 +201,10 @@ PYBIND11_MODULE(_C, m) {
                     "A replay advances the clock once per operation.")
       .def("advance", &SimulatedDevice::advance, "One host step of the lag's clock.")
       .def_property_readonly("waits", &SimulatedDevice::waits,
-                             "Times the host waited for work the device had not done yet.");
+                             "Times the host waited for work the device had not done yet.")
+      .def_property_readonly("waited_steps", &SimulatedDevice::waited_steps,
+                             "Host steps those waits stood for: per wait, the steps the device still "
+                             "needed to reach what was waited for.");
 
   m.def("cuda_upstreams_built", &cuda_upstreams_built);
   m.def("cuda_available", &cuda_available);

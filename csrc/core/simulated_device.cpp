@@ -248,21 +248,34 @@ void SimulatedDevice::wait_event(EventId event) {
   auto it = events_.find(event);
   if (it == events_.end()) throw std::logic_error("simulated device: wait for an unknown event");
   StreamWork& w = streams_[it->second.stream];
-  if (w.completed < it->second.ticket && !done_by_clock(it->second)) ++waits_;
+  if (w.completed < it->second.ticket && !done_by_clock(it->second)) wait_steps(steps_left(it->second));
   w.completed = std::max(w.completed, it->second.ticket);
 }
 
 void SimulatedDevice::synchronize(StreamId stream) {
   StreamWork& w = streams_[stream];
   if (w.completed < w.queued) {
-    // Outstanding unless every event still queued on the stream is done by the clock.
+    // A wait unless every event still queued on the stream is done by the clock; as long as the
+    // latest of them needs.
+    std::uint64_t longest = 0;
+    bool outstanding = false;
     for (const auto& [id, e] : events_)
       if (e.stream == stream && e.ticket > w.completed && !done_by_clock(e)) {
-        ++waits_;
-        break;
+        outstanding = true;
+        longest = std::max(longest, steps_left(e));
       }
+    if (outstanding) wait_steps(longest);
   }
   complete(stream);
+}
+
+void SimulatedDevice::wait_steps(std::uint64_t steps) {
+  ++waits_;
+  waited_steps_ += steps;
+  // The device runs meanwhile: within this host step it is `steps` further on (device_clock).
+  if (wait_clock_ != clock_) waited_in_step_ = 0;
+  wait_clock_ = clock_;
+  waited_in_step_ += steps;
 }
 
 void SimulatedDevice::complete(StreamId stream) {

@@ -52,13 +52,18 @@ class SimulatedDevice : public Upstream {
   void set_auto_complete(bool on) { auto_complete_ = on; }
   // A device running behind the host, for replays: with a lag of N (> 0), an event completes once the
   // host has taken N more steps (advance()) since it was recorded, or once the host waited for it;
-  // auto_complete no longer applies to events. 0 (the default) turns the lag off.
+  // auto_complete no longer applies to events. While the host waits, the device runs on: within that
+  // host step, a wait of k steps brings every later event k steps closer. 0 (the default) turns the
+  // lag off.
   void set_lag(std::uint64_t steps) { lag_ = steps; }
   std::uint64_t lag() const { return lag_; }
   void advance() { ++clock_; }  // one host step (a replay: one allocation or free)
   // Times the host had to wait for work not yet done (wait_event on an event not yet complete,
-  // synchronize with work outstanding): with a lag, each is a stall a real GPU run would pay.
+  // synchronize with work outstanding): with a lag, each is a stall a real GPU run would pay. And the
+  // host steps those waits stood for: per wait, the steps the device still needed to reach the event
+  // (its recording plus the lag, less the clock), the length of the stall in the lag's units.
   std::uint64_t waits() const { return waits_; }
+  std::uint64_t waited_steps() const { return waited_steps_; }
   void complete(StreamId stream);
   // Completes the work of `stream` up to its oldest event not yet done (events complete one by one,
   // later than they were recorded, as on a device running behind the host).
@@ -113,7 +118,20 @@ class SimulatedDevice : public Upstream {
   std::uint64_t lag_ = 0;    // host steps an event takes to complete (0: no lag)
   std::uint64_t clock_ = 0;  // host steps so far (advance())
   std::uint64_t waits_ = 0;
-  bool done_by_clock(const Event& e) const { return lag_ != 0 && clock_ >= e.recorded_at + lag_; }
+  std::uint64_t waited_steps_ = 0;
+  // The device's position: the host's clock, plus, within the host step in which the host waited, the
+  // steps the device ran meanwhile (a second wait in that step is only as long as what is left). Once
+  // the host takes its next step the device is `lag` behind again: the model keeps it that far behind,
+  // as a GPU stays behind a host that queues work faster than it runs.
+  std::uint64_t wait_clock_ = 0;     // the host step of the last wait
+  std::uint64_t waited_in_step_ = 0; // how far the device ran during that step's waits
+  std::uint64_t device_clock() const { return clock_ + (wait_clock_ == clock_ ? waited_in_step_ : 0); }
+  void wait_steps(std::uint64_t steps);  // a wait of the host until the device has run `steps` more
+  bool done_by_clock(const Event& e) const { return lag_ != 0 && device_clock() >= e.recorded_at + lag_; }
+  // Steps the device still needs to reach `e` (0 without a lag: it is there once the host waits).
+  std::uint64_t steps_left(const Event& e) const {
+    return lag_ == 0 || done_by_clock(e) ? 0 : e.recorded_at + lag_ - device_clock();
+  }
 
   FaultPlan faults_;
   std::mt19937_64 rng_{1};

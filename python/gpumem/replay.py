@@ -46,10 +46,12 @@ class ReplayReport:
     # The CUDA driver's time for the unit calls of the replay on a vmm upstream, modelled with the
     # per-unit costs measured on an H100 (DRIVER_US_PER_UNIT); None on a segments upstream.
     driver_ms: Optional[float]
-    # The simulated device's lag (host operations an event takes to complete; 0: none) and the times
-    # the pool made the host wait for it (an allocation under a cap whose room was still draining).
+    # The simulated device's lag (host operations an event takes to complete; 0: none), the times
+    # the pool made the host wait for it (an allocation under a cap whose room was still draining)
+    # and how long those waits were: the operations the device still had to run, summed.
     device_lag: int
     waits: int
+    waited_operations: int
     ns_per_pair: float
     ooms: int
     first_oom: str
@@ -132,6 +134,7 @@ def replay(
                                       device.physical_releases) if upstream == "vmm" else None),
         device_lag=device_lag,
         waits=device.waits,
+        waited_operations=device.waited_steps,
     )
 
 

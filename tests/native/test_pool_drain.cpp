@@ -161,3 +161,36 @@ TEST(a_block_of_the_same_stream_maps_from_draining_pages_without_new_memory_or_a
   s.pool->free(c);
   check_empty_after_trim(*s.pool, *s.dev);
 }
+
+// The simulated device's lag (the replays' model of a GPU behind the host, bench/remap_at_cap.py
+// --device-lag): events complete `lag` host steps after they were recorded, or when waited for; a wait
+// counts, with the steps the device still needed; two waits in one host step are as long as the longer.
+TEST(a_lagging_device_completes_events_by_its_clock_and_counts_the_waits_and_their_length) {
+  SimulatedDevice dev(UpstreamKind::kPages, 64 * MiB);
+  dev.set_lag(10);
+  const EventId a = dev.record_event(0);  // step 0
+  for (int i = 0; i < 4; ++i) dev.advance();
+  const EventId b = dev.record_event(0);  // step 4
+  const EventId other = dev.record_event(1);
+  CHECK(!dev.event_completed(a) && !dev.event_completed(b));
+  for (int i = 0; i < 6; ++i) dev.advance();  // step 10: a's lag has passed, b's not
+  CHECK(dev.event_completed(a) && !dev.event_completed(b));
+  dev.wait_event(a);  // done already: no wait
+  CHECK_EQ(dev.waits(), std::uint64_t(0));
+  dev.wait_event(b);  // 4 steps left
+  CHECK_EQ(dev.waits(), std::uint64_t(1));
+  CHECK_EQ(dev.waited_steps(), std::uint64_t(4));
+  CHECK(dev.event_completed(b));
+  const EventId c = dev.record_event(0);  // step 10, due at 20; the device ran 4 steps meanwhile
+  dev.wait_event(c);                      // so 6 are left
+  CHECK_EQ(dev.waited_steps(), std::uint64_t(10));
+  CHECK(dev.event_completed(other));  // stream 1 is as far as the device got: step 14 >= 4 + 10
+  dev.advance();  // the host runs ahead again: the device is 10 steps behind
+  const EventId d = dev.record_event(0);
+  dev.synchronize(0);  // a wait as long as d needs
+  CHECK_EQ(dev.waits(), std::uint64_t(3));
+  CHECK_EQ(dev.waited_steps(), std::uint64_t(20));
+  dev.synchronize(0);  // nothing left on the stream: no wait
+  CHECK_EQ(dev.waits(), std::uint64_t(3));
+  for (EventId e : {a, b, c, d, other}) dev.destroy_event(e);
+}

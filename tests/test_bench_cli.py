@@ -212,6 +212,24 @@ def test_remap_at_cap_replays_a_recorded_trace_and_skips_a_malformed_one(tmp_pat
     assert 1.0 < row["min_capacity"] < 1.02
 
 
+def test_remap_at_cap_counts_the_waits_on_a_lagging_device(tmp_path):
+    """--device-lag: the replays run on a device 100 operations behind; the JSON row gives, per cap, the
+    waits and the operations the device still had to run for them (never more than the lag per wait)
+    and the modelled driver time; uncapped, nothing is given back, so nothing is waited for."""
+    trace = BENCH / "traces" / "fbs_bert.trace.gz"
+    r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "100", trace], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert row["device_lag"] == 100 and row["uncapped"]["waits"] == 0
+    for cap in ("x1.02", "x1.05"):
+        c = row[cap]
+        assert c["ooms"] == 0 and c["waits"] > 0
+        assert 0 < c["waited_operations"] <= 100 * c["waits"]
+        assert c["driver_ms"] > row["uncapped"]["driver_ms"] > 0
+    r = run([BENCH / "remap_at_cap.py", "--device-lag", "-3", trace], cwd=tmp_path)
+    assert r.returncode == 2 and "--device-lag -3 is negative" in r.stderr
+
+
 def test_record_trace_converts_a_memory_history_snapshot():
     """bench/record_trace.py's conversion: allocs numbered in order, frees of blocks allocated before the
     recording left out, streams numbered by first use, the peak of live bytes."""

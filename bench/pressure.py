@@ -170,6 +170,11 @@ class Runner:
             cmd += ["--passes", str(t.passes)]
         return cmd
 
+    def ceiling(self, workload: str) -> float:
+        """The highest cap a search of `workload` tries, in units of its P: the share of the device the
+        trials may take."""
+        return DEVICE_SHARE * self.total / self.peak[workload]
+
     def fraction(self, t: Trial) -> float:
         return min(1.0, t.cap * self.peak[t.workload] / self.total)
 
@@ -283,8 +288,8 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
     if args.device == "cpu":
         return dict(rows=list(rows.values()))
     P = runner.peak[workload]
-    ceiling = DEVICE_SHARE * runner.total / P
-    searches = {a: Search(args.tolerance, ceiling) for a in allocators if not rows[a].get("error")}
+    searches = {a: Search(args.tolerance, runner.ceiling(workload))
+                for a in allocators if not rows[a].get("error")}
     for a in searches:
         r = runner.alone(Trial(workload, a, TIMED_CAP, False, args.passes))
         rows[a].update(timed_figures("capped", r), capped_error=r.get("error"))
@@ -305,7 +310,7 @@ def search_rounds(workload: str, rows: dict, searches: dict, runner: Runner, arg
     """Rounds of parallel trials until every search is done or the deadline has passed; each row gets
     its search's result. Returns the rounds run."""
     P = runner.peak[workload]
-    ceiling = DEVICE_SHARE * runner.total / P
+    ceiling = runner.ceiling(workload)
     rounds = 0
     while any(not s.done() for s in searches.values()) and time.monotonic() < deadline:
         active = [a for a, s in searches.items() if not s.done()]
@@ -338,11 +343,10 @@ def resume(workload: str, earlier: dict, runner: Runner, args, deadline: float) 
     rows = {r["allocator"]: dict(r) for r in earlier["rows"]}
     runner.peak[workload] = earlier["peak_allocated"]
     runner.total = runner.total or earlier["total_bytes"]
-    ceiling = DEVICE_SHARE * runner.total / earlier["peak_allocated"]
     searches = {}
     for a, row in rows.items():
         if "trials" in row:
-            searches[a] = Search(args.tolerance, ceiling)
+            searches[a] = Search(args.tolerance, runner.ceiling(workload))
             for cap, ok in row["trials"].items():
                 searches[a].record(float(cap), bool(ok))
     rounds = search_rounds(workload, rows, searches, runner, args, deadline)

@@ -231,7 +231,8 @@ def passed(result: dict) -> bool:
 
 # A timed run's figures (the worker's keys) that its row keeps, as "uncapped_<key>" / "capped_<key>",
 # per run (``*_runs``) and as their median over the runs.
-TIMED_FIGURES = ("step_ms", "steady_step_ms", "steady_device_allocs", "steady_device_frees")
+TIMED_FIGURES = ("step_ms", "steady_step_ms", "steady_device_allocs", "steady_device_frees", "steady_driver_ms",
+                 "steady_wait_ms")
 # Kept as the first timed run's, every run's in ``*_runs`` (an OOM in any run at 1.05x fails the point).
 TIMED_COUNTS = ("ooms", "steady_ooms")
 
@@ -400,10 +401,17 @@ def calls_per_step(row, prefix):
     return None if a is None or f is None else a + f
 
 
+def driver_text(row, prefix):
+    """gpumem's host ms per steady step in driver calls / in waits for the device ('-' for others)."""
+    d, w = row.get(f"{prefix}_steady_driver_ms"), row.get(f"{prefix}_steady_wait_ms")
+    return "-" if d is None or w is None else f"{d:.2f}/{w:.2f}"
+
+
 # (width, header): each wider than its header, so that headers of several words stay apart.
 COLUMNS = ((9, "workload"), (10, "allocator"), (10, "0-OOM cap"), (8, "vs best"), (8, "ms free"), (8, "vs best"),
            (11, "ms free st"), (11, "vs best st"), (9, "ms @1.05"), (5, "ooms"), (7, "vs exp"), (12, "ms @1.05 st"),
-           (8, "ooms st"), (10, "vs exp st"), (9, "calls st"), (10, "res/alloc"))
+           (8, "ooms st"), (10, "vs exp st"), (9, "calls st"), (12, "drv/wait st"), (14, "drv/wait @1.05"),
+           (10, "res/alloc"))
 
 
 def table(results: dict) -> str:
@@ -427,7 +435,7 @@ def table(results: dict) -> str:
                      fmt(cms, ".1f"), fmt(r.get("capped_ooms"), "d"), fmt(ratio(cms, exp.get("capped_step_ms"))),
                      fmt(cst, ".1f"), fmt(r.get("capped_steady_ooms"), "d"),
                      fmt(ratio(cst, exp.get("capped_steady_step_ms"))), fmt(calls_per_step(r, "capped"), ".1f"),
-                     fmt(r.get("reserved_over_allocated"))]
+                     driver_text(r, "uncapped"), driver_text(r, "capped"), fmt(r.get("reserved_over_allocated"))]
             lines.append(line(cells) + (f"  error: {r['error']}" if r.get("error") else "")
                          + (f"  capped error: {r['capped_error']}" if r.get("capped_error") else ""))
     lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
@@ -435,7 +443,9 @@ def table(results: dict) -> str:
                  "uncapped, first pass over the steps (each shape new: its one-time costs, no allocator's); "
                  "st: steady, the later passes (the same shapes again: the allocator's cost once shapes "
                  "repeat); ms @1.05: at a 1.05x cap (ooms: its OOM steps, per pass), vs exp: / "
-                 "expandable_segments'; calls st: device allocs + frees per step of the steady pass at 1.05x.")
+                 "expandable_segments'; calls st: device allocs + frees per step of the steady pass at 1.05x; "
+                 "drv/wait: gpumem's host ms per steady step in driver calls / waiting for the device, uncapped "
+                 "and at 1.05x.")
     return "\n".join(lines)
 
 

@@ -436,6 +436,17 @@ def device_calls(torch, allocator: str):
     return int(stats["num_device_alloc"]), int(stats.get("num_device_free", 0))
 
 
+def driver_ms(allocator: str):
+    """(driver ms, wait ms) gpumem's pools have spent so far (gpumem.driver_time(): maps, unmaps,
+    segments and events; waits for the device), or None for another allocator."""
+    if DEVICE.type != "cuda" or allocator not in GPUMEM_CONF:
+        return None
+    import gpumem
+
+    t = gpumem.driver_time()
+    return sum(v["ms"] for k, v in t.items() if k != "wait"), t["wait"]["ms"]
+
+
 def run(args) -> dict:
     global DEVICE
     if args.device == "cpu" and args.allocator != "none":
@@ -470,11 +481,12 @@ def run(args) -> dict:
     peaks: dict = {}
     device_short = False
     for _ in range(args.passes):
-        ooms, first_oom, oom_text, t0, calls0, stopped = 0, None, "", None, None, False
+        ooms, first_oom, oom_text, t0, calls0, driver0, stopped = 0, None, "", None, None, None, False
         for i in range(steps):
             if i == start:
                 sync()
                 calls0 = device_calls(torch, args.allocator)
+                driver0 = driver_ms(args.allocator)
                 t0 = time.perf_counter()
             try:
                 step(i)
@@ -494,8 +506,10 @@ def run(args) -> dict:
         sync()
         seconds = None if stopped or t0 is None else time.perf_counter() - t0
         calls1 = device_calls(torch, args.allocator) if calls0 is not None and not stopped else None
+        driver1 = driver_ms(args.allocator) if driver0 is not None and not stopped else None
         passes.append(dict(ooms=ooms, first_oom=first_oom, oom=oom_text, seconds=seconds,
-                           calls=None if calls1 is None else (calls1[0] - calls0[0], calls1[1] - calls0[1])))
+                           calls=None if calls1 is None else (calls1[0] - calls0[0], calls1[1] - calls0[1]),
+                           driver=None if driver1 is None else (driver1[0] - driver0[0], driver1[1] - driver0[1])))
         if len(passes) == 1:
             peaks = memory_peaks(torch, rmm_resources)  # the first pass's: what the cap search's runs see
         if stopped:
@@ -532,21 +546,26 @@ def steady_figures(later: list, passes: int, timed: int) -> dict:
     one pass, or when a later pass did not run or stopped at an OOM (--stop-on-oom). steady_ooms: their
     OOM steps, counted apart from `ooms` (the first pass's, which alone decides the cap search).
     steady_device_allocs / _frees: device calls per timed step, None where the allocator does not
-    count them."""
+    count them. steady_driver_ms / steady_wait_ms: gpumem's host time per timed step in driver calls
+    and in waits for the device (gpumem.driver_time()), None for other allocators."""
     if passes == 1:
         return dict(steady_step_ms=None, steady_ooms=None, steady_oom="", steady_device_allocs=None,
-                    steady_device_frees=None)
+                    steady_device_frees=None, steady_driver_ms=None, steady_wait_ms=None)
     ran = len(later) == passes - 1
     seconds = [p["seconds"] for p in later]
     calls = [p["calls"] for p in later]
     counted = ran and all(c is not None for c in calls)
+    driver = [p.get("driver") for p in later]
+    timed_driver = ran and all(d is not None for d in driver)
     n = timed * len(later)
     return dict(
         steady_step_ms=1000 * sum(seconds) / n if ran and None not in seconds else None,
         steady_ooms=sum(p["ooms"] for p in later) if later else None,
         steady_oom=next((p["oom"] for p in later if p["oom"]), ""),
         steady_device_allocs=sum(c[0] for c in calls) / n if counted else None,
-        steady_device_frees=sum(c[1] for c in calls) / n if counted else None)
+        steady_device_frees=sum(c[1] for c in calls) / n if counted else None,
+        steady_driver_ms=sum(d[0] for d in driver) / n if timed_driver else None,
+        steady_wait_ms=sum(d[1] for d in driver) / n if timed_driver else None)
 
 
 def parse_args(argv=None):

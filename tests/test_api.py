@@ -27,8 +27,8 @@ def test_allocator_controls_say_why_without_gpumem_as_torch_allocator():
     if gpumem.is_active():
         pytest.skip("gpumem is torch's allocator here: the GPU suite checks the controls")
     calls = [lambda: gpumem.trim(), lambda: gpumem.set_cap(1 << 30), lambda: gpumem.cap(0),
-             lambda: gpumem.validate("cuda:0")]
-    for call, name in zip(calls, ("trim", "set_cap", "cap", "validate")):
+             lambda: gpumem.validate("cuda:0"), lambda: gpumem.driver_time()]
+    for call, name in zip(calls, ("trim", "set_cap", "cap", "validate", "driver_time")):
         with pytest.raises(RuntimeError) as ei:
             call()
         assert f"gpumem.{name}()" in str(ei.value) and gpumem.status_line() in str(ei.value)

@@ -107,14 +107,15 @@ def test_passes_add_steady_figures_and_leave_the_first_pass_as_it_was():
     assert r.returncode == 2 and "--passes must be at least 1, got 0" in r.stderr
 
 
-def a_pass(ooms=0, seconds=0.5, calls=(0, 0), oom=""):
-    return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls)
+def a_pass(ooms=0, seconds=0.5, calls=(0, 0), oom="", driver=None):
+    return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls, driver=driver)
 
 
 def test_steady_figures_of_the_later_passes():
     """The bookkeeping of passes 2..N (what a GPU run's OOMs and counters make of them)."""
     assert steady_figures([], 1, 10) == dict(steady_step_ms=None, steady_ooms=None, steady_oom="",
-                                             steady_device_allocs=None, steady_device_frees=None)
+                                             steady_device_allocs=None, steady_device_frees=None,
+                                             steady_driver_ms=None, steady_wait_ms=None)
     # Two later passes of 10 timed steps: the mean over both, device calls per step.
     f = steady_figures([a_pass(seconds=0.5, calls=(4, 2)), a_pass(seconds=0.3, calls=(0, 0))], 3, 10)
     assert f["steady_step_ms"] == pytest.approx(40.0) and f["steady_ooms"] == 0
@@ -132,6 +133,12 @@ def test_steady_figures_of_the_later_passes():
     # An allocator that does not count device calls (async, rmm): no calls, the time still.
     f = steady_figures([a_pass(calls=None)], 2, 10)
     assert f["steady_device_allocs"] is None and f["steady_step_ms"] == pytest.approx(50.0)
+    assert f["steady_driver_ms"] is None and f["steady_wait_ms"] is None  # not gpumem: not timed
+    # gpumem's driver and wait time (ms over each pass): per timed step over both passes.
+    f = steady_figures([a_pass(driver=(12.0, 3.0)), a_pass(driver=(8.0, 1.0))], 3, 10)
+    assert f["steady_driver_ms"] == pytest.approx(1.0) and f["steady_wait_ms"] == pytest.approx(0.2)
+    f = steady_figures([a_pass(driver=(12.0, 3.0)), a_pass(driver=None)], 3, 10)  # one pass stopped early
+    assert f["steady_driver_ms"] is None and f["steady_wait_ms"] is None
 
 
 def search_until_done(threshold, tolerance=0.0025, per_round=4, first=None, ceiling=6.0):
@@ -186,7 +193,8 @@ def table_rows():
             dict(allocator="gpumem", lowest_cap=1.0075, highest_failing=1.005, converged=True,
                  uncapped_step_ms=9.09, uncapped_steady_step_ms=5.2, capped_step_ms=9.5, capped_steady_step_ms=6.4,
                  capped_ooms=0, capped_steady_ooms=0, capped_steady_device_allocs=0.25,
-                 capped_steady_device_frees=0.5, reserved_over_allocated=1.01)]
+                 capped_steady_device_frees=0.5, uncapped_steady_driver_ms=0.0, uncapped_steady_wait_ms=0.0,
+                 capped_steady_driver_ms=1.234, capped_steady_wait_ms=0.5, reserved_over_allocated=1.01)]
 
 
 def table_line(text, start):
@@ -203,7 +211,8 @@ def test_table_shows_ratios_to_the_best_pytorch_allocator():
         assert f" {a} " in header and f" {b} " in header, header
     assert table_line(text, "moe       gpumem")[2:] == [
         "1.0075", "0.969", "9.1", "1.010", "5.2", "1.040", "9.5", "0", "0.950", "6.4", "0", "0.800", "0.8",
-        "1.010"]
+        "0.00/0.00", "1.23/0.50", "1.010"]
+    assert table_line(text, "moe       native")[-3:-1] == ["-", "-"]  # not gpumem: no driver time
     assert table_line(text, "moe       expandable")[10:15] == ["1.000", "8.0", "1", "1.000", "3.5"]
 
 
@@ -217,7 +226,7 @@ def test_table_prints_a_dash_for_figures_a_result_lacks():
     del rows[2]["capped_step_ms"], rows[2]["capped_ooms"]
     text = pressure.table({"moe": dict(rows=rows)})
     assert table_line(text, "moe       gpumem")[2:] == [
-        "1.0075", "0.969", "9.1", "1.010", "-", "-", "-", "-", "-", "-", "-", "-", "-", "1.010"]
+        "1.0075", "0.969", "9.1", "1.010", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "1.010"]
     assert table_line(text, "moe       native")[2:9] == ["1.2000", "1.154", "10.0", "1.111", "-", "-", "12.0"]
 
 

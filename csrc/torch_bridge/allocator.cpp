@@ -103,10 +103,11 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, Relea
   } else {
     kind = cuda_vmm_supported(device) ? UpstreamKind::kPages : UpstreamKind::kSegments;
   }
-  std::shared_ptr<Upstream> upstream =
+  std::shared_ptr<Upstream> upstream = std::make_shared<TimedUpstream>(
       external ? make_external_upstream(make_cuda_upstream(UpstreamKind::kSegments, device),
                                         std::move(external), device)
-               : make_cuda_upstream(kind, device, cfg.ipc);
+               : make_cuda_upstream(kind, device, cfg.ipc),
+      devices_[device].upstream_time);
   PoolOptions options;
   options.release = release;
   options.release_slack = cfg.release_slack;
@@ -121,6 +122,10 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, Relea
       on_segment_event(device, id, event, address, bytes, stream);
   });
   return pool;
+}
+
+UpstreamTime& GpumemAllocator::upstream_time(int device) {
+  return *devices_[check_device(device)].upstream_time;
 }
 
 Pool* GpumemAllocator::main_pool_if_created(int device) const {

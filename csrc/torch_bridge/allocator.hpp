@@ -73,6 +73,7 @@
 
 #include "core/config.hpp"
 #include "core/pool.hpp"
+#include "core/timed_upstream.hpp"
 
 // 211 for torch 2.11. Used to pick the allocator interface's signatures, which changed over 2.5..2.11.
 #define GPUMEM_TORCH_VERSION (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR)
@@ -152,6 +153,7 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   // ---- accessors for gpumem's Python layer (device: a CUDA ordinal) ----
   DeviceStats pool_stats(int device);  // main + private pools; zeros if none created yet
+  UpstreamTime& upstream_time(int device);  // all the device's pools' driver calls and waits
   std::size_t trim(int device);        // main pool; returns bytes released
   void set_cap(int device, std::size_t bytes);
   std::size_t cap(int device);
@@ -285,6 +287,8 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::atomic<std::int64_t> torch_bytes{0};
     std::atomic<std::int64_t> torch_peak{0};
     std::atomic<std::int64_t> torch_blocks{0};
+    // The time the device's pools spent in driver calls and waits (every pool's upstream is timed).
+    std::shared_ptr<UpstreamTime> upstream_time = std::make_shared<UpstreamTime>();
   };
   struct Route {
     int device;

@@ -19,6 +19,7 @@
 #include "torch_bridge/cupy_c_allocator.hpp"
 
 namespace py = pybind11;
+using gpumem::UpstreamTime;
 using gpumem::torch_bridge::GpumemAllocator;
 
 namespace {
@@ -145,6 +146,18 @@ PYBIND11_MODULE(_bridge, m) {
   m.def(
       "validate", [](int device) { GpumemAllocator::instance().validate(device); },
       py::arg("device"), "Check the device's pools' structures (raises on inconsistency).");
+  m.def(
+      "driver_time",
+      [](int device) {
+        const UpstreamTime& t = GpumemAllocator::instance().upstream_time(device);
+        py::dict out;
+        for (int k = 0; k < UpstreamTime::kNumKinds; ++k) {
+          const auto kind = static_cast<UpstreamTime::Kind>(k);
+          out[UpstreamTime::kNames[k]] = py::make_tuple(t.calls(kind), t.ns(kind));
+        }
+        return out;
+      },
+      py::arg("device"), "Calls and nanoseconds the device's pools spent per kind of upstream call.");
   m.def("private_pool_count", []() { return GpumemAllocator::instance().private_pool_count(); });
   m.def("vmm_supported", [](int device) { return gpumem::cuda_vmm_supported(device); });
   m.def("start_tracker_audit", []() { GpumemAllocator::instance().start_tracker_audit(); },

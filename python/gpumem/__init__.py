@@ -17,8 +17,9 @@ What users call is ``gpumem.<name>`` (``__all__``); the underscored modules (``_
 ``_bridge``, the compiled torch allocator; ``_torch``, its registration) are internals.
 
 * torch's allocator: ``status_line()``, ``is_active()``, ``stats()``, ``trim()``, ``set_cap()``,
-  ``cap()``, ``validate()``, ``mem_pool()`` (a ``torch.cuda.MemPool`` backed by gpumem, for when CUDA
-  started first; ``pool`` is its former name, kept as an alias).
+  ``cap()``, ``validate()``, ``driver_time()`` (host time in driver calls and waits), ``mem_pool()``
+  (a ``torch.cuda.MemPool`` backed by gpumem, for when CUDA started first; ``pool`` is its former
+  name, kept as an alias).
 * Out of memory: allocations through torch raise ``torch.cuda.OutOfMemoryError``; direct use of
   ``Pool`` raises ``OutOfMemoryError`` (gpumem's core error); ``is_oom_error(exc)`` recognises both,
   and cuBLAS/cuDNN allocation failures.
@@ -78,7 +79,7 @@ except ValueError:
     if not _imported_by_the_command_line():
         raise
 from ._torch import is_active, mem_pool, pool, stats, status_line  # noqa: E402
-from .allocator import cap, set_cap, trim, validate  # noqa: E402
+from .allocator import cap, driver_time, set_cap, trim, validate  # noqa: E402
 
 # These import torch only inside their functions. Imported here so that `gpumem.cleanup` is the
 # function even after some module has imported the `gpumem.cleanup` submodule.
@@ -144,7 +145,8 @@ def __dir__() -> list:
 
 __all__ = [
     # torch's CUDA allocator
-    "status_line", "is_active", "stats", "trim", "set_cap", "cap", "validate", "mem_pool", "pool",
+    "status_line", "is_active", "stats", "trim", "set_cap", "cap", "validate", "driver_time", "mem_pool",
+    "pool",
     # out of memory
     "OutOfMemoryError", "is_oom_error",
     # the core pool, for direct use

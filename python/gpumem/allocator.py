@@ -1,5 +1,5 @@
 """Controls of gpumem's pools while gpumem is torch's CUDA allocator: ``trim``, ``set_cap``, ``cap``,
-``validate``.
+``validate``, and what they cost: ``driver_time``.
 
     >>> import gpumem                                  # first, before anything touches the GPU
     >>> released = gpumem.trim()                       # doctest: +SKIP
@@ -7,6 +7,8 @@
     >>> gpumem.cap()                                   # doctest: +SKIP
     42949672960
     >>> gpumem.validate()                              # doctest: +SKIP
+    >>> gpumem.driver_time()["map"]                    # doctest: +SKIP
+    {'calls': 41, 'ms': 3.27}
 
 Each takes ``device`` as an index, ``"cuda:1"``, a ``torch.device`` or None (the current device).
 They act on the pools behind torch's allocations, so they need gpumem to *be* torch's allocator:
@@ -16,7 +18,7 @@ CUDA device they say so.  For pools you build yourself, :class:`gpumem.Pool` has
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Tuple, Union
 
 from . import _torch
 
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 else:
     Device = Any
 
-__all__ = ["trim", "set_cap", "cap", "validate"]
+__all__ = ["trim", "set_cap", "cap", "validate", "driver_time"]
 
 
 def _bridge_for(what: str, device: Device) -> Tuple[Any, int]:
@@ -79,3 +81,23 @@ def validate(device: Device = None) -> None:
     structures and statistics against them; raises an error naming the first inconsistency."""
     bridge, index = _bridge_for("validate", device)
     bridge.validate(index)
+
+
+def driver_time(device: Device = None) -> Dict[str, Dict[str, float]]:
+    """What the device's pools have spent in the driver and waiting for the device since the process
+    started: per kind of call, ``{"calls": n, "ms": host milliseconds}``.
+
+    ``map``: pages mapped (memory created or moved, access set); ``unmap``: pages unmapped and their
+    memory released; ``segment``: whole regions taken and returned (``upstream:segments``); ``wait``:
+    the host blocked until the device reached an event or drained a stream, before memory it may still
+    use went back; ``event``: events recorded, polled and destroyed (never blocking). Under memory
+    pressure these are what gpumem costs a step beyond PyTorch's allocator; take the difference of two
+    calls around the steps you time::
+
+        before = gpumem.driver_time()
+        train_step()
+        after = gpumem.driver_time()
+        ms = {k: after[k]["ms"] - before[k]["ms"] for k in after}
+    """
+    bridge, index = _bridge_for("driver_time", device)
+    return {kind: {"calls": int(calls), "ms": ns / 1e6} for kind, (calls, ns) in bridge.driver_time(index).items()}

@@ -437,14 +437,13 @@ def device_calls(torch, allocator: str):
 
 
 def driver_ms(allocator: str):
-    """(driver ms, wait ms) gpumem's pools have spent so far (gpumem.driver_time(): maps, unmaps,
-    segments and events; waits for the device), or None for another allocator."""
+    """{kind: ms} gpumem's pools have spent so far per kind of upstream call (gpumem.driver_time():
+    map, unmap, segment, event; wait, for the device), or None for another allocator."""
     if DEVICE.type != "cuda" or allocator not in GPUMEM_CONF:
         return None
     import gpumem
 
-    t = gpumem.driver_time()
-    return sum(v["ms"] for k, v in t.items() if k != "wait"), t["wait"]["ms"]
+    return {k: v["ms"] for k, v in gpumem.driver_time().items()}
 
 
 def run(args) -> dict:
@@ -509,7 +508,7 @@ def run(args) -> dict:
         driver1 = driver_ms(args.allocator) if driver0 is not None and not stopped else None
         passes.append(dict(ooms=ooms, first_oom=first_oom, oom=oom_text, seconds=seconds,
                            calls=None if calls1 is None else (calls1[0] - calls0[0], calls1[1] - calls0[1]),
-                           driver=None if driver1 is None else (driver1[0] - driver0[0], driver1[1] - driver0[1])))
+                           driver=None if driver1 is None else {k: driver1[k] - driver0[k] for k in driver1}))
         if len(passes) == 1:
             peaks = memory_peaks(torch, rmm_resources)  # the first pass's: what the cap search's runs see
         if stopped:
@@ -547,10 +546,12 @@ def steady_figures(later: list, passes: int, timed: int) -> dict:
     OOM steps, counted apart from `ooms` (the first pass's, which alone decides the cap search).
     steady_device_allocs / _frees: device calls per timed step, None where the allocator does not
     count them. steady_driver_ms / steady_wait_ms: gpumem's host time per timed step in driver calls
-    and in waits for the device (gpumem.driver_time()), None for other allocators."""
+    and in waits for the device, steady_driver_ms_by_kind the driver's per kind of call
+    (gpumem.driver_time()); None for other allocators."""
     if passes == 1:
         return dict(steady_step_ms=None, steady_ooms=None, steady_oom="", steady_device_allocs=None,
-                    steady_device_frees=None, steady_driver_ms=None, steady_wait_ms=None)
+                    steady_device_frees=None, steady_driver_ms=None, steady_wait_ms=None,
+                    steady_driver_ms_by_kind=None)
     ran = len(later) == passes - 1
     seconds = [p["seconds"] for p in later]
     calls = [p["calls"] for p in later]
@@ -564,8 +565,10 @@ def steady_figures(later: list, passes: int, timed: int) -> dict:
         steady_oom=next((p["oom"] for p in later if p["oom"]), ""),
         steady_device_allocs=sum(c[0] for c in calls) / n if counted else None,
         steady_device_frees=sum(c[1] for c in calls) / n if counted else None,
-        steady_driver_ms=sum(d[0] for d in driver) / n if timed_driver else None,
-        steady_wait_ms=sum(d[1] for d in driver) / n if timed_driver else None)
+        steady_driver_ms=sum(ms for d in driver for k, ms in d.items() if k != "wait") / n if timed_driver else None,
+        steady_wait_ms=sum(d.get("wait", 0.0) for d in driver) / n if timed_driver else None,
+        steady_driver_ms_by_kind=({k: sum(d[k] for d in driver) / n for k in driver[0] if k != "wait"}
+                                  if timed_driver else None))
 
 
 def parse_args(argv=None):

@@ -115,7 +115,8 @@ def test_steady_figures_of_the_later_passes():
     """The bookkeeping of passes 2..N (what a GPU run's OOMs and counters make of them)."""
     assert steady_figures([], 1, 10) == dict(steady_step_ms=None, steady_ooms=None, steady_oom="",
                                              steady_device_allocs=None, steady_device_frees=None,
-                                             steady_driver_ms=None, steady_wait_ms=None)
+                                             steady_driver_ms=None, steady_wait_ms=None,
+                                             steady_driver_ms_by_kind=None)
     # Two later passes of 10 timed steps: the mean over both, device calls per step.
     f = steady_figures([a_pass(seconds=0.5, calls=(4, 2)), a_pass(seconds=0.3, calls=(0, 0))], 3, 10)
     assert f["steady_step_ms"] == pytest.approx(40.0) and f["steady_ooms"] == 0
@@ -135,9 +136,11 @@ def test_steady_figures_of_the_later_passes():
     assert f["steady_device_allocs"] is None and f["steady_step_ms"] == pytest.approx(50.0)
     assert f["steady_driver_ms"] is None and f["steady_wait_ms"] is None  # not gpumem: not timed
     # gpumem's driver and wait time (ms over each pass): per timed step over both passes.
-    f = steady_figures([a_pass(driver=(12.0, 3.0)), a_pass(driver=(8.0, 1.0))], 3, 10)
+    f = steady_figures([a_pass(driver=dict(map=8.0, unmap=4.0, event=0.0, wait=3.0)),
+                        a_pass(driver=dict(map=5.0, unmap=2.0, event=1.0, wait=1.0))], 3, 10)
     assert f["steady_driver_ms"] == pytest.approx(1.0) and f["steady_wait_ms"] == pytest.approx(0.2)
-    f = steady_figures([a_pass(driver=(12.0, 3.0)), a_pass(driver=None)], 3, 10)  # one pass stopped early
+    assert f["steady_driver_ms_by_kind"] == pytest.approx(dict(map=0.65, unmap=0.3, event=0.05))
+    f = steady_figures([a_pass(driver=dict(map=1.0, wait=3.0)), a_pass(driver=None)], 3, 10)  # one stopped early
     assert f["steady_driver_ms"] is None and f["steady_wait_ms"] is None
 
 

@@ -88,7 +88,8 @@ def driver_time(device: Device = None) -> Dict[str, Dict[str, float]]:
     started: per kind of call, ``{"calls": n, "ms": host milliseconds}``.
 
     ``map``: pages mapped (memory created or moved, access set); ``unmap``: pages unmapped and their
-    memory released; ``segment``: whole regions taken and returned (``upstream:segments``); ``wait``:
+    memory released (its time also holds units kept for a map and released unused, which make no
+    call of their own); ``segment``: whole regions taken and returned (``upstream:segments``); ``wait``:
     the host blocked until the device reached an event or drained a stream, before memory it may still
     use went back; ``event``: events recorded, polled and destroyed (never blocking). Under memory
     pressure these are what gpumem costs a step beyond PyTorch's allocator; take the difference of two

@@ -105,22 +105,24 @@ def test_cap_below_usage_raises_and_frees_nothing():
 
 @pytest.mark.gpu
 def test_driver_time_counts_the_maps_unmaps_and_waits_of_a_capped_step():
-    # Under a cap the pool maps and unmaps pages every step and may wait for the device: driver_time()
-    # counts each kind as the pool's own counters do, and the host time they took.
+    # Under a cap the pool maps and unmaps pages every round (two 30 MiB holes between live blocks
+    # cannot hold the 50 MiB block, and mapping it passes the cap): driver_time() counts each kind,
+    # waits as the pool's own counter does, and the host time they took.
     run("""
     t0 = gpumem.driver_time()
     assert set(t0) == {"map", "unmap", "segment", "wait", "event"}, t0
     st0 = torch.cuda.memory_stats()
     gpumem.set_cap(96 * MiB)
-    for i in range(20):
-        a = torch.empty((40 + i % 3) * MiB, dtype=torch.uint8, device=dev)
-        a.fill_(1)
-        del a
-        b = torch.empty((48 - i % 3) * MiB, dtype=torch.uint8, device=dev).fill_(2)
-        b.record_stream(torch.cuda.Stream())    # a free the device has not reached: an event
-        del b
-        c = torch.empty(60 * MiB, dtype=torch.uint8, device=dev).fill_(3)
-        del c
+    side = torch.cuda.Stream()
+    for i in range(10):
+        a1 = torch.empty(30 * MiB, dtype=torch.uint8, device=dev).fill_(1)
+        l1 = torch.empty(8 * MiB, dtype=torch.uint8, device=dev).fill_(1)
+        a2 = torch.empty(30 * MiB, dtype=torch.uint8, device=dev).fill_(1)
+        l2 = torch.empty(8 * MiB, dtype=torch.uint8, device=dev).fill_(1)
+        a2.record_stream(side)    # a free the device may not have reached: an event
+        del a1, a2
+        c = torch.empty(50 * MiB, dtype=torch.uint8, device=dev).fill_(3)
+        del c, l1, l2
     torch.cuda.synchronize()
     t1 = gpumem.driver_time()
     st1 = torch.cuda.memory_stats()
@@ -131,8 +133,7 @@ def test_driver_time_counts_the_maps_unmaps_and_waits_of_a_capped_step():
     assert d["event"][0] > 0, d
     assert d["wait"][0] == st1["num_sync_all_streams"] - st0["num_sync_all_streams"], (d, st1)
     assert d["segment"] == (0, 0.0), d
-    for k, (calls, ms) in d.items():
-        assert ms >= 0 and (calls > 0 or ms == 0), d
+    assert all(ms >= 0 for _, ms in d.values()), d
     gpumem.validate()
     """, env={"GPUMEM_CONF": "release:lazy,upstream:vmm"})
 

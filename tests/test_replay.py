@@ -231,7 +231,7 @@ def test_the_driver_time_model_and_the_lag_on_a_recorded_trace():
     per_unit = (DRIVER_US_PER_UNIT["create"] + DRIVER_US_PER_UNIT["map"]) / 1e3
     assert uncapped.driver_ms == pytest.approx(uncapped.physical_units * per_unit)
     capped = gpumem.replay(trace, capacity=int(1.05 * uncapped.peak_live_bytes), device_lag=100)
-    assert capped.ooms == 0 and capped.waits >= 3 * 10
+    assert capped.ooms == 0 and capped.waits >= 20  # 40 before pages released for a block were lent to it
     assert capped.driver_ms > 3 * uncapped.driver_ms  # remapping at the cap: units unmapped and mapped again
     assert modelled_driver_ms(1, 1, 1, 1) == pytest.approx(sum(DRIVER_US_PER_UNIT.values()) / 1e3)
     assert gpumem.replay(trace, upstream="segments").driver_ms is None

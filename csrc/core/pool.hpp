@@ -331,9 +331,9 @@ class Pool {
   Region* add_paged_region(Arena& arena);
   Region* add_region(Arena& arena, std::uintptr_t base, std::size_t bytes, std::size_t page);
   bool ensure_mapped(Block* block);
-  // `lendable`: bytes of draining pages the caller will map from (map_from_draining) rather than
-  // wait for: they stay reserved, so they do not count as going back.
-  bool make_room(std::size_t bytes, std::size_t lendable = 0);
+  // `lend_to`: the region whose draining pages the caller maps from (map_from_draining) rather than
+  // waits for: they need no room and stay reserved, so they do not count as going back.
+  bool make_room(std::size_t bytes, const Region* lend_to = nullptr);
   // Whether `bytes` more reserved bytes fit under the cap, the limit and the high-water allowance
   // without releasing anything (pool_release.cpp).
   bool fits_without_release(std::size_t bytes) const;

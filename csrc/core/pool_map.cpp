@@ -151,16 +151,15 @@ bool Pool::ensure_mapped(Block* block) {
   const std::size_t missing = pages.count_unmapped(touched);
   if (missing == 0) return true;
   KeepReleasedUnits keep(*upstream_);
-  // Room is made up front for what the draining pages of the region cannot back (their unit sizes
-  // may not match: then map_run makes room for the rest as it goes, so the cap always holds).
-  if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
-  const std::size_t lendable = draining_.empty() ? 0 : lendable_bytes(region);
-  auto less_lendable = [&](std::size_t bytes) { return bytes - std::min(bytes, lendable); };
+  // Room is made up front for what the draining pages of the region cannot back, those make_room
+  // starts included (their unit sizes may not match: then map_run makes room for the rest as it
+  // goes, so the cap always holds).
   std::size_t room = 0;   // new bytes the cap has room for (make_room)
   std::size_t fresh = 0;  // new bytes mapped so far
   auto make_room_for = [&](std::size_t bytes) {
-    if (!make_room(less_lendable(bytes), lendable)) return false;
-    room = fresh + less_lendable(bytes);
+    if (!make_room(bytes, region)) return false;
+    const std::size_t lendable = draining_.empty() ? 0 : lendable_bytes(region);
+    room = fresh + bytes - std::min(bytes, lendable);
     return true;
   };
   const PageRun groups = pages.widened(touched);

@@ -15,35 +15,41 @@ namespace gpumem {
 
 // Makes room for `bytes` more reserved bytes under the cap and, with the high-water policy, under the
 // live high water plus the slack (best effort: it starts pages draining and never waits for them).
-// False only when the cap cannot be met. Pages already draining count towards what is released
-// (except the `lendable` ones the caller maps from); the cap and the limit wait for them (oldest
-// first) only when nothing else is left to release.
-bool Pool::make_room(std::size_t bytes, std::size_t lendable) {
+// False only when the cap cannot be met. Pages already draining count towards what is released; the
+// cap and the limit wait for them (oldest first) only when nothing else is left to release.
+// `lend_to`: the region of the block the room is for. Its draining pages back that block's new pages
+// (map_from_draining) instead of new memory: they need no room, and they do not go back. They are
+// counted afresh after each release, which can start more of them: pages released to make room for a
+// block, in its own region, are lent to it at once rather than waited for (a block freed a moment ago,
+// whose last use the device has not reached yet, is typically what the cap releases).
+bool Pool::make_room(std::size_t bytes, const Region* lend_to) {
   if (!growth_allowed_) return false;
   if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
   auto reserved = [&] { return static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current); };
+  auto lendable = [&] { return lend_to && !draining_.empty() ? lendable_bytes(lend_to) : 0; };
+  auto fresh = [&] { return bytes - std::min(bytes, lendable()); };  // what needs new memory
   // Releases what is missing beyond the pages already draining that will go back.
   auto release = [&](std::size_t missing) {
-    const std::size_t going = draining_bytes_ - std::min(lendable, draining_bytes_);
+    const std::size_t going = draining_bytes_ - std::min(lendable(), draining_bytes_);
     if (missing > going) release_cached(missing - going);
   };
   const auto allowed =
       static_cast<std::size_t>(static_cast<double>(live_high_water_) * (1.0 + options_.release_slack));
-  if (options_.release == ReleasePolicy::kHighWater && reserved() + bytes > allowed)
-    release(reserved() + bytes - allowed);
+  if (options_.release == ReleasePolicy::kHighWater && reserved() + fresh() > allowed)
+    release(reserved() + fresh() - allowed);
   const std::size_t cap = effective_cap_locked();
-  auto over_cap = [&] { return reserved() + bytes > cap ? reserved() + bytes - cap : 0; };
+  auto over_cap = [&] { return reserved() + fresh() > cap ? reserved() + fresh() - cap : 0; };
   release(over_cap());
   while (over_cap() && reap_waiting()) {
   }
   if (over_cap()) return false;
   // Pools sharing the budget hold memory too: this pool's own cache goes back first.
-  if (!budget_->fits(bytes)) {
-    release(budget_->excess(bytes));
-    while (!budget_->fits(bytes) && reap_waiting()) {
+  if (!budget_->fits(fresh())) {
+    release(budget_->excess(fresh()));
+    while (!budget_->fits(fresh()) && reap_waiting()) {
     }
   }
-  return budget_->fits(bytes);
+  return budget_->fits(fresh());
 }
 
 // "Near the cap" for the placement of physical memory (ensure_mapped): within 1% of the effective cap

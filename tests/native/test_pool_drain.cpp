@@ -104,7 +104,9 @@ static Holes two_freed_holes(Setup& s) {
 TEST(pages_freed_before_a_completed_mark_go_back_at_once_without_waiting_for_later_work) {
   Setup s(UpstreamKind::kPages, 256 * MiB, 32 * MiB, ReleasePolicy::kLazy);
   const Holes h = two_freed_holes(s);
-  std::uintptr_t c = s.pool->allocate(14 * MiB, 0);  // past the cap: 6 MiB drain behind a new mark
+  // Past the cap: 6 MiB drain behind a new mark; on another stream, where they cannot be lent to c,
+  // so the cap waits for the mark.
+  std::uintptr_t c = s.pool->allocate(14 * MiB, 1);
   CHECK_EQ(s.pool->stats().num_sync_all_streams, std::int64_t(1));  // the cap waited for it
   const EventId later = s.dev->record_event(0);  // work queued after the mark, not yet done
   std::uintptr_t d = s.pool->allocate(10 * MiB, 0);  // the 10 MiB still free of a and b go back
@@ -133,6 +135,31 @@ TEST(pages_drain_behind_the_earliest_mark_after_their_free_not_a_new_one) {
   check_clean(*s.pool, *s.dev);
   s.dev->destroy_event(later);
   for (std::uintptr_t p : {h.x, h.y, c}) s.pool->free(p);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
+TEST(pages_the_cap_releases_for_a_block_of_their_stream_back_it_without_a_wait) {
+  // Lazy, capped at 24 MiB: 4 MiB of a (8 MiB, freed a moment ago, still in use on the device) must
+  // go back for c (12 MiB), which does not fit its hole. Those pages are c's at once, as pages
+  // draining before c's allocation would be: no wait, no new memory for them, the cap kept throughout.
+  Setup s(UpstreamKind::kPages, 256 * MiB, 24 * MiB, ReleasePolicy::kLazy);
+  const std::uintptr_t b = a_freed_before_b(s);
+  const std::uint64_t created = s.dev->physical_allocations();
+  std::uintptr_t c = s.pool->allocate(12 * MiB, 0);
+  DeviceStats st = s.pool->stats();
+  CHECK_EQ(st.num_sync_all_streams, std::int64_t(0));  // nobody waited
+  CHECK_EQ(cur(st.reserved_bytes), std::int64_t(24 * MiB));
+  CHECK_EQ(s.dev->used_bytes(), std::size_t(24 * MiB));
+  CHECK_EQ(s.dev->physical_allocations() - created, std::uint64_t(4));  // c's other 8 MiB
+  CHECK_EQ(s.dev->units_mapped_twice(), std::size_t(2));               // two of a's units, lent
+  check_clean(*s.pool, *s.dev);
+  s.dev->complete(0);
+  s.pool->process_events();
+  CHECK_EQ(s.dev->units_mapped_twice(), std::size_t(0));
+  CHECK_EQ(s.dev->used_bytes(), std::size_t(24 * MiB));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(b);
+  s.pool->free(c);
   check_empty_after_trim(*s.pool, *s.dev);
 }
 

@@ -334,6 +334,10 @@ class Pool {
   // `lend_to`: the region whose draining pages the caller maps from (map_from_draining) rather than
   // waits for: they need no room and stay reserved, so they do not count as going back.
   bool make_room(std::size_t bytes, const Region* lend_to = nullptr);
+  // Whether make_room lends the pages it releases to a block of `block_bytes` (make_room's lend_to)
+  // rather than waiting for them: not when the live bytes and the block come within kLendHeadroom
+  // of the effective cap (pool_release.cpp).
+  bool lends_near_cap(std::size_t block_bytes) const;
   // Whether `bytes` more reserved bytes fit under the cap, the limit and the high-water allowance
   // without releasing anything (pool_release.cpp).
   bool fits_without_release(std::size_t bytes) const;

@@ -156,8 +156,9 @@ bool Pool::ensure_mapped(Block* block) {
   // goes, so the cap always holds).
   std::size_t room = 0;   // new bytes the cap has room for (make_room)
   std::size_t fresh = 0;  // new bytes mapped so far
+  const Region* lend_to = lends_near_cap(block->size) ? region : nullptr;
   auto make_room_for = [&](std::size_t bytes) {
-    if (!make_room(bytes, region)) return false;
+    if (!make_room(bytes, lend_to)) return false;
     const std::size_t lendable = draining_.empty() ? 0 : lendable_bytes(region);
     room = fresh + bytes - std::min(bytes, lendable);
     return true;

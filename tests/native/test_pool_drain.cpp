@@ -163,6 +163,24 @@ TEST(pages_the_cap_releases_for_a_block_of_their_stream_back_it_without_a_wait) 
   check_empty_after_trim(*s.pool, *s.dev);
 }
 
+TEST(closest_to_the_cap_the_pages_released_for_a_block_are_waited_for_not_lent) {
+  // As above, but c (16 MiB) brings the live bytes to the cap itself (8 + 16 = 24 MiB, past 98% of
+  // it, kLendHeadroom): a's pages go back to the device first, after a wait, and c's are all new.
+  Setup s(UpstreamKind::kPages, 256 * MiB, 24 * MiB, ReleasePolicy::kLazy);
+  const std::uintptr_t b = a_freed_before_b(s);
+  std::uintptr_t c = s.pool->allocate(16 * MiB, 0);
+  DeviceStats st = s.pool->stats();
+  CHECK_EQ(st.num_sync_all_streams, std::int64_t(1));  // the cap waited for a's mark
+  CHECK_EQ(s.dev->units_mapped_twice(), std::size_t(0));
+  CHECK_EQ(cur(st.reserved_bytes), std::int64_t(24 * MiB));
+  CHECK_EQ(s.dev->used_bytes(), std::size_t(24 * MiB));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(b);
+  s.pool->free(c);
+  s.dev->complete_all();
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
 TEST(a_block_of_the_same_stream_maps_from_draining_pages_without_new_memory_or_a_wait) {
   Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kHighWater);
   const std::uintptr_t b = a_freed_before_b(s);

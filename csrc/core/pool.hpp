@@ -26,10 +26,12 @@
 //    free block as a "draining" block and unmapped once the device is past the block's last use: the
 //    first "mark" (an event recorded on the arena's stream) recorded after the block was freed. Pages
 //    freed before a mark that has completed go back at once; others drain behind the earliest mark
-//    recorded after their free (a new one only if there is none), polled, never waited for. Only an
-//    allocation that nothing else can serve waits, and then for the earliest such mark (for all of
-//    them before its out-of-memory retry, so that the retry sees the released space as merged free
-//    blocks).
+//    recorded after their free (a new one only if there is none), polled, never waited for. A block
+//    of the same region that needs pages takes draining ones first, those released to make room for
+//    it included (unless the live bytes and the block pass 98% of the cap): their memory is mapped
+//    under it too (Upstream::map_from), which stream order makes safe. Only an allocation that
+//    nothing else can serve waits, and then for the earliest such mark (for all of them before its
+//    out-of-memory retry, so that the retry sees the released space as merged free blocks).
 //  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.

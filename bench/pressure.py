@@ -231,8 +231,8 @@ def passed(result: dict) -> bool:
 
 # A timed run's figures (the worker's keys) that its row keeps, as "uncapped_<key>" / "capped_<key>",
 # per run (``*_runs``) and as their median over the runs.
-TIMED_FIGURES = ("step_ms", "steady_step_ms", "steady_device_allocs", "steady_device_frees", "steady_driver_ms",
-                 "steady_wait_ms")
+TIMED_FIGURES = ("step_ms", "steady_step_ms", "steady_device_allocs", "steady_device_frees",
+                 "steady_driver_ms", "steady_wait_ms")
 # Kept as the first timed run's, every run's in ``*_runs`` (an OOM in any run at 1.05x fails the point).
 TIMED_COUNTS = ("ooms", "steady_ooms")
 
@@ -435,7 +435,8 @@ def table(results: dict) -> str:
                      fmt(cms, ".1f"), fmt(r.get("capped_ooms"), "d"), fmt(ratio(cms, exp.get("capped_step_ms"))),
                      fmt(cst, ".1f"), fmt(r.get("capped_steady_ooms"), "d"),
                      fmt(ratio(cst, exp.get("capped_steady_step_ms"))), fmt(calls_per_step(r, "capped"), ".1f"),
-                     driver_text(r, "uncapped"), driver_text(r, "capped"), fmt(r.get("reserved_over_allocated"))]
+                     driver_text(r, "uncapped"), driver_text(r, "capped"),
+                     fmt(r.get("reserved_over_allocated"))]
             lines.append(line(cells) + (f"  error: {r['error']}" if r.get("error") else "")
                          + (f"  capped error: {r['capped_error']}" if r.get("capped_error") else ""))
     lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
@@ -443,9 +444,9 @@ def table(results: dict) -> str:
                  "uncapped, first pass over the steps (each shape new: its one-time costs, no allocator's); "
                  "st: steady, the later passes (the same shapes again: the allocator's cost once shapes "
                  "repeat); ms @1.05: at a 1.05x cap (ooms: its OOM steps, per pass), vs exp: / "
-                 "expandable_segments'; calls st: device allocs + frees per step of the steady pass at 1.05x; "
-                 "drv/wait: gpumem's host ms per steady step in driver calls / waiting for the device, uncapped "
-                 "and at 1.05x.")
+                 "expandable_segments'; calls st: device allocs + frees per step of the steady pass at "
+                 "1.05x; drv/wait: gpumem's host ms per steady step in driver calls / waiting for the device, "
+                 "uncapped and at 1.05x.")
     return "\n".join(lines)
 
 

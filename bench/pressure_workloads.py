@@ -565,7 +565,8 @@ def steady_figures(later: list, passes: int, timed: int) -> dict:
         steady_oom=next((p["oom"] for p in later if p["oom"]), ""),
         steady_device_allocs=sum(c[0] for c in calls) / n if counted else None,
         steady_device_frees=sum(c[1] for c in calls) / n if counted else None,
-        steady_driver_ms=sum(ms for d in driver for k, ms in d.items() if k != "wait") / n if timed_driver else None,
+        steady_driver_ms=(sum(ms for d in driver for k, ms in d.items() if k != "wait") / n
+                          if timed_driver else None),
         steady_wait_ms=sum(d.get("wait", 0.0) for d in driver) / n if timed_driver else None,
         steady_driver_ms_by_kind=({k: sum(d[k] for d in driver) / n for k in driver[0] if k != "wait"}
                                   if timed_driver else None))

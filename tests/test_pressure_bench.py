@@ -108,7 +108,8 @@ def test_passes_add_steady_figures_and_leave_the_first_pass_as_it_was():
 
 
 def a_pass(ooms=0, seconds=0.5, calls=(0, 0), oom="", driver=None):
-    return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls, driver=driver)
+    return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls,
+                driver=driver)
 
 
 def test_steady_figures_of_the_later_passes():
@@ -140,7 +141,8 @@ def test_steady_figures_of_the_later_passes():
                         a_pass(driver=dict(map=5.0, unmap=2.0, event=1.0, wait=1.0))], 3, 10)
     assert f["steady_driver_ms"] == pytest.approx(1.0) and f["steady_wait_ms"] == pytest.approx(0.2)
     assert f["steady_driver_ms_by_kind"] == pytest.approx(dict(map=0.65, unmap=0.3, event=0.05))
-    f = steady_figures([a_pass(driver=dict(map=1.0, wait=3.0)), a_pass(driver=None)], 3, 10)  # one stopped early
+    # one pass stopped early: no driver figures
+    f = steady_figures([a_pass(driver=dict(map=1.0, wait=3.0)), a_pass(driver=None)], 3, 10)
     assert f["steady_driver_ms"] is None and f["steady_wait_ms"] is None
 
 

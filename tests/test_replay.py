@@ -249,3 +249,43 @@ def test_cli_device_lag_adds_the_waits_and_refuses_a_negative_lag(tmp_path):
     assert r.returncode == 2 and "--device-lag -1 is negative" in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(ValueError, match="device_lag"):
         gpumem.replay(path, device_lag=-5)
+
+
+def test_later_passes_give_the_steady_state_at_the_cap():
+    """passes=N replays a trace N times in one pool (a later epoch): what the GPU's steady steps showed
+    at a 1.05x limit (4x H100, c1df721, pressure bench worker): varlen makes no device call once its
+    shapes repeat, BERT inference remaps the same every pass; uncapped, nothing is mapped again."""
+    traces = Path(__file__).resolve().parents[1] / "bench" / "traces"
+    for name in ("varlen", "bert"):
+        path = traces / f"{name}.trace.gz"
+        first = gpumem.replay(path)
+        limit = int(1.05 * first.peak_live_bytes)
+        one, two, three = (gpumem.replay(path, limit=limit, device_lag=100, passes=n) for n in (1, 2, 3))
+        assert one.passes == 1 and two.passes == 2 and three.passes == 3
+        assert one.upstream_calls > 0 and one.physical_units > 0 and one.ooms == 0
+        for later in (two, three):  # peaks over every pass: the same steps, the same peak live
+            assert later.peak_live_bytes == first.peak_live_bytes and later.ooms == 0
+            assert later.peak_reserved_bytes <= limit
+        if name == "varlen":
+            assert two.upstream_calls == 0 and two.physical_units == 0
+            assert two.driver_ms == 0 and two.waits == 0
+        else:  # the same remapping every pass, a large part of the first's
+            assert (two.upstream_calls, two.physical_units, two.waits) == \
+                (three.upstream_calls, three.physical_units, three.waits)
+            assert two.physical_units > one.physical_units // 2 and two.waits > 0
+        steady = gpumem.replay(path, passes=2)
+        assert steady.upstream_calls == 0 and steady.mapped_bytes == 0 and steady.driver_ms == 0
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="passes"):
+            gpumem.replay(traces / "varlen.trace.gz", passes=bad)
+
+
+def test_cli_passes_reports_the_last_pass_and_refuses_fewer_than_one(tmp_path):
+    path = _hole_then_larger(tmp_path)
+    r = run_cli("replay", "--quiet", "--passes", "3", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "3 passes (calls and waits: the last one's)" in r.stdout
+    row = json.loads(run_cli("replay", "--json", "--passes", "2", str(path)).stdout)
+    assert row["passes"] == 2 and row["upstream_calls"] == 0
+    r = run_cli("replay", "--passes", "0", str(path))
+    assert r.returncode == 2 and "--passes 0 is below 1" in r.stderr and "Traceback" not in r.stderr

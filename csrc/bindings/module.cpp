@@ -417,7 +417,7 @@ PYBIND11_MODULE(_C, m) {
         return std::make_shared<Trace>(load_trace(path));
       }, py::arg("path"), "Parses a trace file (plain or gzip); raises ValueError 'file:line: ...'.");
   m.def("replay",
-        [](const Trace& trace, Pool& pool, py::object progress, std::shared_ptr<SimulatedDevice> clock) {
+        [](const Trace& trace, Pool& pool, py::object progress, std::shared_ptr<SimulatedDevice> clock, bool again) {
           std::function<void(std::size_t, std::size_t)> cb;
           if (!progress.is_none())
             cb = [&progress](std::size_t done, std::size_t total) {
@@ -426,12 +426,14 @@ PYBIND11_MODULE(_C, m) {
             };
           std::function<void()> tick;
           if (clock) tick = [&clock] { clock->advance(); };
-          ReplayResult r = without_gil([&] { return replay(trace, pool, cb, tick); });
+          ReplayResult r = without_gil([&] { return replay(trace, pool, cb, tick, again); });
           return replay_dict(r);
         },
         py::arg("trace"), py::arg("pool"), py::arg("progress") = py::none(), py::arg("clock") = py::none(),
+        py::arg("again") = false,
         "Replays `trace` through `pool`; `clock`, a SimulatedDevice, has its lag's clock advanced once "
-        "per operation.");
+        "per operation; `again`: once more in a pool that replayed it, without the allocations the "
+        "trace never frees (a later epoch).");
 
   m.def("parse_config",
         [](const std::string& text, const std::string& source) {

@@ -46,8 +46,11 @@ struct ReplayResult {
 // Replays every operation; an allocation that fails counts as an OOM and its free is skipped.
 // `progress(done, total)` is called every few thousand operations; `before_each`, when set, before
 // every operation (a lagging simulated device's clock: SimulatedDevice::advance).
+// `again`: the trace once more in a pool that has replayed it, as a later epoch runs the same steps:
+// allocations the trace never frees (weights, state made once, still live from the first replay) are
+// not made again, and count as live from the start.
 ReplayResult replay(const Trace& trace, Pool& pool,
                     const std::function<void(std::size_t, std::size_t)>& progress = {},
-                    const std::function<void()>& before_each = {});
+                    const std::function<void()>& before_each = {}, bool again = false);
 
 }  // namespace gpumem

@@ -9,13 +9,30 @@
 
 namespace gpumem {
 
+// Per operation: true for an allocation the trace never frees (each id is allocated once).
+static std::vector<bool> never_freed(const Trace& trace) {
+  std::vector<bool> freed(trace.allocations, false);
+  for (const TraceOp& op : trace.ops)
+    if (!op.is_alloc) freed[op.slot] = true;
+  std::vector<bool> kept(trace.ops.size(), false);
+  for (std::size_t i = 0; i < trace.ops.size(); ++i) kept[i] = trace.ops[i].is_alloc && !freed[trace.ops[i].slot];
+  return kept;
+}
+
 ReplayResult replay(const Trace& trace, Pool& pool,
                     const std::function<void(std::size_t, std::size_t)>& progress,
-                    const std::function<void()>& before_each) {
+                    const std::function<void()>& before_each, bool again) {
   ReplayResult r;
   std::vector<std::uintptr_t> address(trace.allocations, 0);
   std::vector<std::uint64_t> size(trace.allocations, 0);
   std::uint64_t live = 0;
+  std::vector<bool> skip;  // again: the allocations made once, by the first replay
+  if (again) {
+    skip = never_freed(trace);
+    for (std::size_t i = 0; i < trace.ops.size(); ++i)
+      if (skip[i]) live += trace.ops[i].bytes;
+    r.peak_live = live;
+  }
   const auto before = pool.stats();
   std::chrono::nanoseconds in_pool{0};
   const std::size_t chunk = 4096;  // ops between progress calls and clock reads
@@ -26,6 +43,7 @@ ReplayResult replay(const Trace& trace, Pool& pool,
       const TraceOp& op = trace.ops[i];
       if (before_each) before_each();
       if (op.is_alloc) {
+        if (again && skip[i]) continue;
         r.allocations++;
         try {
           address[op.slot] = pool.allocate(op.bytes, op.stream);

@@ -34,6 +34,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"gpumem replay: --device-lag {args.device_lag} is negative (operations the device runs "
               "behind; 0 = none)", file=sys.stderr)
         return 2
+    if args.passes < 1:
+        print(f"gpumem replay: --passes {args.passes} is below 1 (times each trace is replayed)",
+              file=sys.stderr)
+        return 2
     if args.min_capacity:
         if not 0 < args.tolerance < 1:
             print(f"gpumem replay: --tolerance {args.tolerance} is not a fraction in (0, 1)", file=sys.stderr)
@@ -51,7 +55,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"{path}:", file=sys.stderr)
         try:
             reports.append(replay(path, upstream=args.upstream, capacity=capacity, page_size=page_size,
-                                  release=args.release, progress=progress, device_lag=args.device_lag))
+                                  release=args.release, progress=progress, device_lag=args.device_lag,
+                                  passes=args.passes))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -62,7 +67,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     lagged = args.device_lag > 0
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}, simulated device of "
           f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB"
-          + (f", running {args.device_lag} operations behind" if lagged else ""))
+          + (f", running {args.device_lag} operations behind" if lagged else "")
+          + (f", {args.passes} passes (calls and waits: the last one's)" if args.passes > 1 else ""))
     header = (f"{'trace':<14} {'peak live GiB':>13} {'peak reserved GiB':>17} {'ratio':>7} "
               f"{'upstream calls':>14} {'ns/pair':>8} {'OOMs':>5} " + (f"{'waits':>6} " if lagged else "")
               + "| PyTorch live on H200: native / expandable / async")
@@ -92,7 +98,7 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
         try:
             results.append(min_capacity(path, tolerance=args.tolerance, upstream=args.upstream,
                                         page_size=page_size, release=args.release,
-                                        device_lag=args.device_lag))
+                                        device_lag=args.device_lag, passes=args.passes))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -177,6 +183,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="the simulated device runs OPS operations behind the replay, as a GPU runs behind "
                         "the host, and the table counts the waits the pool made for it (default 0: "
                         "every event has completed when recorded)")
+    p.add_argument("--passes", type=int, default=1, metavar="N",
+                   help="replay each trace N times in one pool, as epochs repeat the same steps (allocations "
+                        "a trace never frees are made once); upstream calls and waits are the last pass's, "
+                        "the steady state (default 1)")
     p.add_argument("--min-capacity", action="store_true",
                    help="instead: the lowest simulated capacity at which each trace replays with 0 OOMs, "
                         "as a multiple of its peak live bytes (bisected to --tolerance)")

@@ -101,4 +101,5 @@ def driver_time(device: Device = None) -> Dict[str, Dict[str, float]]:
         ms = {k: after[k]["ms"] - before[k]["ms"] for k in after}
     """
     bridge, index = _bridge_for("driver_time", device)
-    return {kind: {"calls": int(calls), "ms": ns / 1e6} for kind, (calls, ns) in bridge.driver_time(index).items()}
+    return {kind: {"calls": int(calls), "ms": ns / 1e6}
+            for kind, (calls, ns) in bridge.driver_time(index).items()}

@@ -55,6 +55,10 @@ class ReplayReport:
     ns_per_pair: float
     ooms: int
     first_oom: str
+    # Times the trace was replayed in one pool (``passes``): with more than one, upstream_calls,
+    # mapped_bytes, physical_units, driver_ms, waits and waited_operations are the last pass's (the
+    # steady state of a run whose steps repeat, as epochs do); peaks and OOMs cover every pass.
+    passes: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -93,6 +97,7 @@ def replay(
     progress: Optional[Callable[[int, int], None]] = None,
     limit: Optional[int] = None,
     device_lag: int = 0,
+    passes: int = 1,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -102,11 +107,15 @@ def replay(
     ``limit`` bounds the pool's reserved bytes on that device as ``set_per_process_memory_fraction``
     does in PyTorch (``Pool.set_limit``); ``device_lag`` makes the device run that many operations behind
     the replay (an event recorded at one operation completes ``device_lag`` operations later, as a GPU runs
-    behind the host), and the report counts the ``waits`` the pool made for it. Raises ``ValueError`` with
-    ``file:line`` for a malformed trace.
+    behind the host), and the report counts the ``waits`` the pool made for it. ``passes`` replays the trace
+    that many times in the same pool, as later epochs run the same steps (allocations the trace never frees
+    are made once); the report's driver figures are then the last pass's, what a step costs once its shapes
+    repeat (``ReplayReport.passes``). Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
         raise ValueError(f"device_lag must be a whole number of operations >= 0, got {device_lag!r}")
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a whole number >= 1, got {passes!r}")
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
     page_size = _C.DEFAULT_PAGE_SIZE if page_size is None else page_size
     loaded = _load(Path(trace))
@@ -116,7 +125,19 @@ def replay(
     pool = _C.Pool(device, release=release, page_size=page_size, **options)
     if limit is not None:
         pool.set_limit(limit)
-    result = _C.replay(loaded, pool, progress, device if device_lag else None)
+    clock = device if device_lag else None
+    result = _C.replay(loaded, pool, progress, clock)
+    ooms, first_oom = result["ooms"], result["first_oom"]
+    counted: Tuple[int, ...] = (0,) * 7  # what the passes before the last one made, off the report
+    for _ in range(passes - 1):
+        counted = _device_counters(pool, device)
+        again = _C.replay(loaded, pool, None, clock, again=True)
+        ooms += again["ooms"]
+        first_oom = first_oom or again["first_oom"]
+        result = dict(again, peak_live_bytes=max(result["peak_live_bytes"], again["peak_live_bytes"]))
+    reserved, creates, releases, maps, unmaps, waits, waited = (
+        a - b for a, b in zip(_device_counters(pool, device), counted))
+    peak_reserved = pool.stats()["reserved_bytes"]["all"]["peak"]
     return ReplayReport(
         trace=str(trace),
         workload=loaded.workload or Path(trace).name.split(".")[0],
@@ -126,16 +147,28 @@ def replay(
         capacity_bytes=capacity,
         operations=loaded.operations,
         allocations=loaded.allocations,
-        **{k: result[k] for k in ("peak_live_bytes", "peak_reserved_bytes", "fragmentation",
-                                  "upstream_calls", "ns_per_pair", "ooms", "first_oom")},
-        mapped_bytes=pool.stats()["reserved_bytes"]["all"]["allocated"],
-        physical_units=device.physical_allocations + device.physical_releases,
-        driver_ms=(modelled_driver_ms(device.physical_allocations, device.unit_maps, device.unit_unmaps,
-                                      device.physical_releases) if upstream == "vmm" else None),
+        peak_live_bytes=result["peak_live_bytes"],
+        peak_reserved_bytes=peak_reserved,
+        fragmentation=peak_reserved / result["peak_live_bytes"] if result["peak_live_bytes"] else 0.0,
+        upstream_calls=result["upstream_calls"],  # the last pass's (the C++ replay counts per call)
+        ns_per_pair=result["ns_per_pair"],
+        ooms=ooms,
+        first_oom=first_oom,
+        mapped_bytes=reserved,
+        physical_units=creates + releases,
+        driver_ms=modelled_driver_ms(creates, maps, unmaps, releases) if upstream == "vmm" else None,
         device_lag=device_lag,
-        waits=device.waits,
-        waited_operations=device.waited_steps,
+        waits=waits,
+        waited_operations=waited,
+        passes=passes,
     )
+
+
+def _device_counters(pool: Any, device: Any) -> Tuple[int, ...]:
+    """Reserved bytes ever taken, units created and released, unit maps and unmaps, waits and their
+    length, so far: what each pass of ``replay`` adds."""
+    return (pool.stats()["reserved_bytes"]["all"]["allocated"], device.physical_allocations,
+            device.physical_releases, device.unit_maps, device.unit_unmaps, device.waits, device.waited_steps)
 
 
 @dataclass

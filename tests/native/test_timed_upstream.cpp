@@ -125,8 +125,10 @@ TEST(timed_upstream_files_every_call_under_one_kind_with_its_time) {
       if (kind == UpstreamKind::kPages) CHECK(t.calls(UpstreamTime::kEvent) > 0);
       CHECK(t.calls(UpstreamTime::kWait) > 0);
       CHECK_EQ(t.calls(UpstreamTime::kWait), std::uint64_t(s.pool->stats().num_sync_all_streams));
-      for (int k = 0; k < UpstreamTime::kNumKinds; ++k)
-        if (t.calls(static_cast<UpstreamTime::Kind>(k)) > 0) CHECK(t.ns(static_cast<UpstreamTime::Kind>(k)) > 0);
+      for (int k = 0; k < UpstreamTime::kNumKinds; ++k) {
+        const auto each = static_cast<UpstreamTime::Kind>(k);
+        if (t.calls(each) > 0) CHECK(t.ns(each) > 0);
+      }
       s.check_counts();
       for (std::uintptr_t p : live) s.pool->free(p);
       s.dev->complete_all();

@@ -195,6 +195,27 @@ TEST(replay_counts_ooms_and_skips_their_frees) {
   CHECK_EQ(dev->used_bytes(), std::size_t(pool.stats().reserved_bytes[kAggregate].current));
 }
 
+TEST(replay_again_makes_the_allocations_the_trace_never_frees_once) {
+  // Ids 1 and 3 are never freed (a weight, state made during the first step): they stay live; 2 and
+  // 4 are a step's blocks, allocated and freed.
+  TempTrace t("a 1 4194304 0\na 2 1048576 0\nf 2\na 3 2097152 0\na 4 3145728 0\nf 4\n");
+  const Trace trace = load_trace(t.str());
+  auto dev = std::make_shared<SimulatedDevice>(UpstreamKind::kPages, 64 * MiB);
+  Pool pool(dev);
+  const ReplayResult first = replay(trace, pool);
+  CHECK_EQ(first.allocations, std::uint64_t(4));
+  CHECK_EQ(first.peak_live, std::uint64_t(9 * MiB));  // 4 + 2 + 3
+  CHECK_EQ(pool.stats().allocated_bytes[kAggregate].current, std::int64_t(6 * MiB));
+  const ReplayResult again = replay(trace, pool, {}, {}, /*again=*/true);
+  CHECK_EQ(again.allocations, std::uint64_t(2));  // 2 and 4 again; 1 and 3 are still live
+  CHECK_EQ(again.frees, std::uint64_t(2));
+  CHECK_EQ(again.ooms, std::uint64_t(0));
+  CHECK_EQ(again.peak_live, std::uint64_t(9 * MiB));  // the kept 6 MiB count as live from the start
+  CHECK_EQ(again.upstream_calls, std::uint64_t(0));   // the same steps again: the cache serves them
+  CHECK_EQ(pool.stats().allocated_bytes[kAggregate].current, std::int64_t(6 * MiB));  // nothing leaked
+  pool.validate();
+}
+
 TEST(replay_recorded_traces_consistently) {
 #if GPUMEM_WITH_ZLIB
   for (const char* name : {"gpt_varlen", "resnet50"}) {

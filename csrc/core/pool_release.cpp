@@ -62,8 +62,8 @@ constexpr double kNearCap = 0.01;
 // make_room releases for it (lends_near_cap). Lending changes which pages stay pinned where, and
 // closest to the cap that cost capacity: the lowest 0-OOM limit of the ckpt trace (CPU replay, device
 // 100 operations behind) rose from 1.0109x its peak live bytes to 1.0156x, on the GPU (pressure bench)
-// from 1.0100x to 1.0144x. Waiting instead once live + block pass 98% of the cap keeps 1.0109x there,
-// and every wait lending saves at a 1.05x cap (README).
+// from 1.0100x to 1.0144x. Waiting instead once live + block pass 98% of the cap gives 1.0109x there
+// again (GPU: 1.0089x), and keeps every wait lending saves at a 1.05x cap in the CPU replay (README).
 constexpr double kLendHeadroom = 0.02;
 
 bool Pool::lends_near_cap(std::size_t block_bytes) const {

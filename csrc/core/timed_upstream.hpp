@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
-#include <vector>
 
 #include "upstream.hpp"
 
@@ -55,8 +54,6 @@ class TimedUpstream final : public ForwardingUpstream {
  public:
   TimedUpstream(std::shared_ptr<Upstream> inner, std::shared_ptr<UpstreamTime> time)
       : ForwardingUpstream(std::move(inner)), time_(std::move(time)) {}
-
-  const UpstreamTime& time() const { return *time_; }
 
   std::uintptr_t allocate_segment(std::size_t bytes) override {
     return timed(UpstreamTime::kSegment, [&] { return inner().allocate_segment(bytes); });

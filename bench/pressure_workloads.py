@@ -230,17 +230,29 @@ def _train_step(torch, model, opt, loss_fn):
     opt.zero_grad(set_to_none=True)
 
 
-def w_allocfree(torch, tiny, rng):
+ALLOCFREE_LIVE = 32  # allocfree keeps at most this many tensors (one more for a moment)
+
+
+def allocfree_plan(rng, tiny):
+    """allocfree's requests, which depend on its seeded random numbers only: each tensor's bytes, and
+    for each, where in the list of live tensors the one freed after it is (bench/record_trace.py writes
+    its trace from them without a GPU)."""
     n = 200 if tiny else 20000
     sizes = [rng.choice((256, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)) for _ in range(n)]
     drops = [rng.random() for _ in range(n)]
+    return sizes, drops
+
+
+def w_allocfree(torch, tiny, rng):
+    sizes, drops = allocfree_plan(rng, tiny)
+    n = len(sizes)
     live: list = []
     chunk = 50 if tiny else 2000  # ten steps: an OOM is counted per step
 
     def step(i):
         for j in range(i * chunk, (i + 1) * chunk):
             live.append(torch.empty(sizes[j] // (64 if tiny else 1), dtype=torch.uint8, device=DEVICE))
-            if len(live) > 32:
+            if len(live) > ALLOCFREE_LIVE:
                 del live[int(drops[j] * len(live))]
     return n // chunk, 1, step
 

@@ -10,6 +10,10 @@ resnet, vit, allocfree), or a batch-size bench step at the size gpumem's finder 
 generation, batch 1250, 64 new tokens, 1 step). The process runs PyTorch's native allocator
 (uncapped), so the trace is the requests and their order, not any allocator's placement. The traces
 in bench/traces/ were recorded this way on one H100 (torch 2.11.0+cu130).
+
+allocfree's requests depend on nothing but its seeded random numbers, so its trace is written from
+them (pressure_workloads.allocfree_plan), on any machine, without torch: the same sizes (rounded to
+512 bytes, as PyTorch's allocator records them) and frees, in the order the workload makes them.
 """
 import argparse
 import gzip
@@ -44,6 +48,29 @@ def snapshot_to_trace(snapshot: dict, device: int = 0) -> tuple:
     return lines, allocations, peak
 
 
+def allocfree_trace(seed: int = 0) -> tuple:
+    """(lines, allocations, peak live bytes) of allocfree's requests as bench/pressure_workloads.py
+    makes them with `seed`: one tensor after another, and once more than ALLOCFREE_LIVE are alive, the
+    one its random number picks is freed."""
+    import random
+
+    import pressure_workloads as pw
+
+    sizes, drops = pw.allocfree_plan(random.Random(seed), False)
+    lines, live, alive, peak = [], [], 0, 0
+    for j, size in enumerate(sizes):
+        size = -(-size // 512) * 512
+        lines.append(f"a {j} {size} 0")
+        live.append((j, size))
+        alive += size
+        peak = max(peak, alive)
+        if len(live) > pw.ALLOCFREE_LIVE:
+            slot, freed = live.pop(int(drops[j] * len(live)))
+            lines.append(f"f {slot}")
+            alive -= freed
+    return lines, len(sizes), peak
+
+
 def run_workload(name: str, torch) -> None:
     if name in FBS:
         from batch_size_workloads import Workload
@@ -68,6 +95,15 @@ def main(argv=None) -> int:
     ap.add_argument("workload", choices=sorted(FBS) + list(pw.WORKLOADS))
     ap.add_argument("out", help="the trace file to write (.gz: gzip)")
     args = ap.parse_args(argv)
+    opener = gzip.open if args.out.endswith(".gz") else open
+    if args.workload == "allocfree":
+        lines, allocations, peak = allocfree_trace()
+        with opener(args.out, "wt") as f:
+            f.write(f"# workload allocfree (written from its seeded requests, no GPU) allocs {allocations} "
+                    f"peak_live_bytes {peak}\n")
+            f.write("\n".join(lines) + "\n")
+        print(f"allocfree: {allocations} allocations, peak live {peak / 2**30:.3f} GiB -> {args.out}")
+        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -81,7 +117,6 @@ def main(argv=None) -> int:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     lines, allocations, peak = snapshot_to_trace(snapshot)
-    opener = gzip.open if args.out.endswith(".gz") else open
     with opener(args.out, "wt") as f:
         f.write(f"# workload {args.workload} torch {torch.__version__} gpu {torch.cuda.get_device_name()} "
                 f"allocs {allocations} peak_live_bytes {peak} "

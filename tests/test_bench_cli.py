@@ -248,3 +248,35 @@ def test_record_trace_converts_a_memory_history_snapshot():
     lines, allocations, peak = record_trace.snapshot_to_trace({"device_traces": [events]})
     assert lines == ["a 0 1024 0", "a 1 4096 1", "f 0", "a 2 512 0"]
     assert allocations == 3 and peak == 5120
+
+
+def test_record_trace_writes_allocfree_from_its_seeded_requests_without_a_gpu(tmp_path):
+    """allocfree's trace needs no GPU: the workload's own random plan, replayed in order, never more
+    than ALLOCFREE_LIVE + 1 tensors alive, each freed once; gpumem's replay reads it."""
+    out = tmp_path / "af.trace.gz"
+    r = run([BENCH / "record_trace.py", "allocfree", out], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    import gzip
+    import random
+    sys.path.insert(0, str(BENCH))
+    try:
+        import pressure_workloads as pw
+    finally:
+        sys.path.remove(str(BENCH))
+    sizes, _ = pw.allocfree_plan(random.Random(0), False)
+    lines = [ln.split() for ln in gzip.open(out, "rt") if not ln.startswith("#")]
+    allocs = [ln for ln in lines if ln[0] == "a"]
+    assert [int(a[2]) for a in allocs] == [-(-s // 512) * 512 for s in sizes]
+    alive, most, freed = set(), 0, set()
+    for ln in lines:
+        if ln[0] == "a":
+            alive.add(ln[1])
+        else:
+            assert ln[1] in alive and ln[1] not in freed
+            alive.remove(ln[1])
+            freed.add(ln[1])
+        most = max(most, len(alive))
+    assert most == pw.ALLOCFREE_LIVE + 1 and len(alive) == pw.ALLOCFREE_LIVE
+    gpumem = pytest.importorskip("gpumem")
+    report = gpumem.replay(out)
+    assert report.allocations == len(sizes) and report.ooms == 0 and report.fragmentation >= 1.0

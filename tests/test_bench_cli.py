@@ -3,8 +3,10 @@ script in bench/ answers --help from any folder, the workloads import and list w
 torch), each workload's code runs a tiny step on the CPU and reports the figures compare_allocators.py
 tabulates, and compare_allocators.py makes its table from whatever a workloads file prints.
 Nothing here measures anything: the figures need the GPU machine (tools/gpu_session.sh)."""
+import gzip
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -256,8 +258,6 @@ def test_record_trace_writes_allocfree_from_its_seeded_requests_without_a_gpu(tm
     out = tmp_path / "af.trace.gz"
     r = run([BENCH / "record_trace.py", "allocfree", out], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    import gzip
-    import random
     sys.path.insert(0, str(BENCH))
     try:
         import pressure_workloads as pw

@@ -71,6 +71,18 @@ def allocfree_trace(seed: int = 0) -> tuple:
     return lines, len(sizes), peak
 
 
+def write_trace(path: str, header: str, lines: list) -> None:
+    """Writes a trace (gzip when `path` ends in .gz); a path that cannot be written is one line, not a
+    traceback."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "wt") as f:
+            f.write(header + "\n")
+            f.write("\n".join(lines) + "\n")
+    except OSError as e:
+        raise SystemExit(f"record_trace.py: cannot write {path}: {e.strerror or e}") from None
+
+
 def run_workload(name: str, torch) -> None:
     if name in FBS:
         from batch_size_workloads import Workload
@@ -95,13 +107,12 @@ def main(argv=None) -> int:
     ap.add_argument("workload", choices=sorted(FBS) + list(pw.WORKLOADS))
     ap.add_argument("out", help="the trace file to write (.gz: gzip)")
     args = ap.parse_args(argv)
-    opener = gzip.open if args.out.endswith(".gz") else open
+    if not Path(args.out).resolve().parent.is_dir():  # before a recording that takes minutes
+        ap.error(f"the folder for {args.out} does not exist")
     if args.workload == "allocfree":
         lines, allocations, peak = allocfree_trace()
-        with opener(args.out, "wt") as f:
-            f.write(f"# workload allocfree (written from its seeded requests, no GPU) allocs {allocations} "
-                    f"peak_live_bytes {peak}\n")
-            f.write("\n".join(lines) + "\n")
+        write_trace(args.out, f"# workload allocfree (written from its seeded requests, no GPU) allocs "
+                              f"{allocations} peak_live_bytes {peak}", lines)
         print(f"allocfree: {allocations} allocations, peak live {peak / 2**30:.3f} GiB -> {args.out}")
         return 0
     import torch
@@ -117,11 +128,9 @@ def main(argv=None) -> int:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     lines, allocations, peak = snapshot_to_trace(snapshot)
-    with opener(args.out, "wt") as f:
-        f.write(f"# workload {args.workload} torch {torch.__version__} gpu {torch.cuda.get_device_name()} "
-                f"allocs {allocations} peak_live_bytes {peak} "
-                f"max_reserved_bytes {torch.cuda.max_memory_reserved()}\n")
-        f.write("\n".join(lines) + "\n")
+    write_trace(args.out, f"# workload {args.workload} torch {torch.__version__} gpu "
+                          f"{torch.cuda.get_device_name()} allocs {allocations} peak_live_bytes {peak} "
+                          f"max_reserved_bytes {torch.cuda.max_memory_reserved()}", lines)
     print(f"{args.workload}: {allocations} allocations, peak live {peak / 2**30:.3f} GiB -> {args.out}")
     return 0
 

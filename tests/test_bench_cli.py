@@ -280,3 +280,6 @@ def test_record_trace_writes_allocfree_from_its_seeded_requests_without_a_gpu(tm
     gpumem = pytest.importorskip("gpumem")
     report = gpumem.replay(out)
     assert report.allocations == len(sizes) and report.ooms == 0 and report.fragmentation >= 1.0
+    # A folder that does not exist is refused before anything is recorded, in one line.
+    r = run([BENCH / "record_trace.py", "allocfree", tmp_path / "missing" / "af.trace.gz"], cwd=tmp_path)
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr

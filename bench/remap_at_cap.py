@@ -1,17 +1,22 @@
 """What the pool remaps at a cap, on the CPU: each trace replayed on a simulated device uncapped and at
 1.02x and 1.05x its peak live bytes, with the bytes mapped over the whole replay (the first mapping
-included: uncapped, that is all there is), the physical allocations made and released ("units": what
-the driver's time goes by, ~60 us each on an H100 whatever their size), the driver's time for every
-unit call (``driver ms``: units created, mapped, unmapped and released, at the per-unit costs measured
-on an H100, ``gpumem.replay.DRIVER_US_PER_UNIT``), the upstream calls (JSON only) and OOMs; then the
-lowest capacity with 0 OOMs (``gpumem.replay.min_capacity``, 0.25% resolution). With ``--device-lag N`` the simulated device runs N operations behind the replay (as a GPU
-runs behind the host) and the table adds the waits at 1.02x and 1.05x: the times the pool made the host
-wait because pages it had to give back were still in use (each a stall on a GPU), and in brackets the
-operations the device still had to run for them (the stalls' length).
+included: uncapped, that is all there is), the physical allocations made and released ("units": what the
+driver's time goes by, ~60 us each on an H100 whatever their size), the driver's time for every unit
+call (``driver ms``: units created, mapped, unmapped and released, at the per-unit costs measured on an
+H100, ``gpumem.replay.DRIVER_US_PER_UNIT``), the upstream calls (JSON only) and OOMs; then the lowest
+capacity with 0 OOMs (``gpumem.replay.min_capacity``, 0.25% resolution). With ``--device-lag N`` the
+simulated device runs N operations behind the replay (as a GPU runs behind the host) and the table adds
+the waits at 1.02x and 1.05x: the times the pool made the host wait because pages it had to give back
+were still in use (each a stall on a GPU), and in brackets the operations the device still had to run
+for them (the stalls' length). Several lags (``--device-lag 20,100,1000``) give a row per trace and lag:
+a layout whose remapping changes with the lag is one the GPU may not reproduce (README). ``--passes N``
+replays each trace N times in one pool and reports the last pass (mapped bytes, units, driver time,
+waits), as the steady steps of a run; the lowest capacity is always one pass's.
 
     python bench/remap_at_cap.py                       # bench/traces/*.trace.gz and the bundled traces
     python bench/remap_at_cap.py bench/traces/fbs_bert.trace.gz --release high_water
     python bench/remap_at_cap.py --device-lag 100      # and the waits for a device running behind
+    python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 bench/traces/ckpt.trace.gz
 
 Bytes mapped beyond the uncapped figure are pages given back and mapped again because of the cap:
 each such unit costs driver calls on the GPU (and, when its last use may still be running, a wait).
@@ -24,15 +29,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0) -> dict:
+def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
+            passes: int = 1) -> dict:
     from gpumem.replay import min_capacity, replay
 
-    uncapped = replay(trace, release=release, device_lag=device_lag)
+    uncapped = replay(trace, release=release, device_lag=device_lag, passes=passes)
     peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, device_lag=device_lag,
-               peak_live_bytes=peak)
+               passes=passes, peak_live_bytes=peak)
     reports = [("uncapped", uncapped)] + [
-        (f"x{factor}", replay(trace, release=release, capacity=int(factor * peak), device_lag=device_lag))
+        (f"x{factor}", replay(trace, release=release, capacity=int(factor * peak), device_lag=device_lag,
+                              passes=passes))
         for factor in factors]
     for key, report in reports:
         row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,
@@ -48,25 +55,37 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="*",
                     help="trace files (default: bench/traces/ and gpumem's bundled ones)")
     ap.add_argument("--release", default="lazy", choices=("lazy", "high_water"))
-    ap.add_argument("--device-lag", type=int, default=0, metavar="OPS",
-                    help="the device runs OPS operations behind the replay; adds the waits (default 0)")
-    ap.add_argument("--json", action="store_true", help="one JSON line per trace instead of the table")
+    ap.add_argument("--device-lag", default="0", metavar="OPS[,OPS...]",
+                    help="the device runs OPS operations behind the replay; adds the waits; several: a row "
+                         "per trace and lag (default 0)")
+    ap.add_argument("--passes", type=int, default=1, metavar="N",
+                    help="replay each trace N times in one pool, report the last pass (default 1)")
+    ap.add_argument("--json", action="store_true",
+                    help="one JSON line per trace (and lag) instead of the table")
     args = ap.parse_args(argv)
-    if args.device_lag < 0:
-        ap.error(f"--device-lag {args.device_lag} is negative")
-    lagged = args.device_lag > 0
+    try:
+        lags = [int(x) for x in args.device_lag.split(",")]
+    except ValueError:
+        ap.error("--device-lag takes whole numbers of operations separated by commas, "
+                 f"got {args.device_lag!r}")
+    if any(lag < 0 for lag in lags):
+        ap.error(f"--device-lag {args.device_lag}: {min(lags)} is negative")
+    if args.passes < 1:
+        ap.error(f"--passes {args.passes}: at least 1")
+    lagged = any(lag > 0 for lag in lags)
     from gpumem.replay import bundled_traces
 
     traces = args.traces or sorted(str(p) for p in (HERE / "traces").glob("*.trace.gz")) + \
         [str(p) for p in bundled_traces()]
     if not args.json:
-        print(f"{'trace':11s} {'GiB mapped: uncapped':>20s} {'1.02x':>7s} {'1.05x':>7s}   "
-              f"{'units: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'driver ms: 1.02x':>16s} {'1.05x':>6s}  "
-              f"{'OOMs':>4s}  " + (f"{'waits (ops): 1.02x':>18s} {'1.05x':>11s}  " if lagged else "")
+        print(f"{'trace':11s} {'lag':>5s} {'GiB mapped: uncapped':>20s} {'1.02x':>7s} {'1.05x':>7s}   "
+              f"{'units: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'driver ms: 1.02x':>16s} "
+              f"{'1.05x':>6s}  {'OOMs':>4s}  "
+              + (f"{'waits (ops): 1.02x':>18s} {'1.05x':>11s}  " if lagged else "")
               + "min capacity")
-    for trace in traces:
+    for trace, lag in ((t, lag) for t in traces for lag in lags):
         try:
-            row = measure(trace, args.release, device_lag=args.device_lag)
+            row = measure(trace, args.release, device_lag=lag, passes=args.passes)
         except ValueError as e:  # a malformed or unreadable trace: say which, go on with the others
             print(f"{trace}: {e}", file=sys.stderr)
             continue
@@ -79,8 +98,9 @@ def main(argv=None) -> int:
         waits = (f"{cols[1]['waits']:10d} ({cols[1]['waited_operations']:5d}) "
                  f"{cols[2]['waits']:3d} ({cols[2]['waited_operations']:5d})  ") if lagged else ""
         driver = [c["driver_ms"] or 0.0 for c in cols]
-        print(f"{row['trace']:11s} {gib[0]:20.2f} {gib[1]:7.2f} {gib[2]:7.2f}   {units[0]:15d} {units[1]:6d} "
-              f"{units[2]:6d}  {driver[1]:16.1f} {driver[2]:6.1f}  {cols[1]['ooms'] + cols[2]['ooms']:4d}  "
+        ooms = cols[1]["ooms"] + cols[2]["ooms"]
+        print(f"{row['trace']:11s} {lag:5d} {gib[0]:20.2f} {gib[1]:7.2f} {gib[2]:7.2f}   {units[0]:15d} "
+              f"{units[1]:6d} {units[2]:6d}  {driver[1]:16.1f} {driver[2]:6.1f}  {ooms:4d}  "
               f"{waits}{row['min_capacity']:.4f}x", flush=True)
     return 0
 

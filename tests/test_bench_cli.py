@@ -229,7 +229,29 @@ def test_remap_at_cap_counts_the_waits_on_a_lagging_device(tmp_path):
         assert 0 < c["waited_operations"] <= 100 * c["waits"]
         assert c["driver_ms"] > row["uncapped"]["driver_ms"] > 0
     r = run([BENCH / "remap_at_cap.py", "--device-lag", "-3", trace], cwd=tmp_path)
-    assert r.returncode == 2 and "--device-lag -3 is negative" in r.stderr
+    assert r.returncode == 2 and "--device-lag -3: -3 is negative" in r.stderr
+
+
+def test_remap_at_cap_gives_a_row_per_lag_and_the_last_pass(tmp_path):
+    """--device-lag 20,100 --passes 2: one row per lag, each the second pass of the trace in one pool
+    (uncapped, nothing is mapped again; capped, no OOM), the lowest capacity a single pass's; a lag list
+    that is not numbers, or passes below 1, is one line on stderr."""
+    trace = BENCH / "traces" / "fbs_bert.trace.gz"
+    r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "20,100", "--passes", "2", trace],
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["device_lag"] for row in rows] == [20, 100] and {row["passes"] for row in rows} == {2}
+    for row in rows:
+        assert row["uncapped"]["mapped_bytes"] == 0 and row["uncapped"]["driver_ms"] == 0
+        assert row["x1.02"]["ooms"] == 0 and row["x1.02"]["mapped_bytes"] > 0
+        assert 1.0 < row["min_capacity"] < 1.02
+    table = run([BENCH / "remap_at_cap.py", "--device-lag", "20,100", trace], cwd=tmp_path)
+    assert table.returncode == 0 and [ln.split()[:2] for ln in table.stdout.splitlines()[1:]] == [
+        ["fbs_bert", "20"], ["fbs_bert", "100"]]
+    for bad, said in ((["--device-lag", "20,x"], "whole numbers"), (["--passes", "0"], "at least 1")):
+        r = run([BENCH / "remap_at_cap.py", *bad, trace], cwd=tmp_path)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr
 
 
 def test_record_trace_converts_a_memory_history_snapshot():

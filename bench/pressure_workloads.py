@@ -235,25 +235,30 @@ ALLOCFREE_LIVE = 32  # allocfree keeps at most this many tensors (one more for a
 
 def allocfree_plan(rng, tiny):
     """allocfree's requests, which depend on its seeded random numbers only: each tensor's bytes, and
-    for each, where in the list of live tensors the one freed after it is (bench/record_trace.py writes
-    its trace from them without a GPU)."""
+    after each, the index of the earlier tensor freed then (None while at most ALLOCFREE_LIVE are
+    alive). The workload and bench/record_trace.py (its trace, without a GPU) both follow it."""
     n = 200 if tiny else 20000
     sizes = [rng.choice((256, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)) for _ in range(n)]
     drops = [rng.random() for _ in range(n)]
-    return sizes, drops
+    live: list = []
+    frees: list = []
+    for j in range(n):
+        live.append(j)
+        frees.append(live.pop(int(drops[j] * len(live))) if len(live) > ALLOCFREE_LIVE else None)
+    return sizes, frees
 
 
 def w_allocfree(torch, tiny, rng):
-    sizes, drops = allocfree_plan(rng, tiny)
+    sizes, frees = allocfree_plan(rng, tiny)
     n = len(sizes)
-    live: list = []
+    live: dict = {}
     chunk = 50 if tiny else 2000  # ten steps: an OOM is counted per step
 
     def step(i):
         for j in range(i * chunk, (i + 1) * chunk):
-            live.append(torch.empty(sizes[j] // (64 if tiny else 1), dtype=torch.uint8, device=DEVICE))
-            if len(live) > ALLOCFREE_LIVE:
-                del live[int(drops[j] * len(live))]
+            live[j] = torch.empty(sizes[j] // (64 if tiny else 1), dtype=torch.uint8, device=DEVICE)
+            if frees[j] is not None:
+                del live[frees[j]]
     return n // chunk, 1, step
 
 

@@ -50,24 +50,22 @@ def snapshot_to_trace(snapshot: dict, device: int = 0) -> tuple:
 
 def allocfree_trace(seed: int = 0) -> tuple:
     """(lines, allocations, peak live bytes) of allocfree's requests as bench/pressure_workloads.py
-    makes them with `seed`: one tensor after another, and once more than ALLOCFREE_LIVE are alive, the
-    one its random number picks is freed."""
+    makes them with `seed` (pressure_workloads.allocfree_plan): one tensor after another, each followed
+    by the free the plan says."""
     import random
 
     import pressure_workloads as pw
 
-    sizes, drops = pw.allocfree_plan(random.Random(seed), False)
-    lines, live, alive, peak = [], [], 0, 0
-    for j, size in enumerate(sizes):
-        size = -(-size // 512) * 512
+    sizes, frees = pw.allocfree_plan(random.Random(seed), False)
+    rounded = [-(-size // 512) * 512 for size in sizes]
+    lines, alive, peak = [], 0, 0
+    for j, size in enumerate(rounded):
         lines.append(f"a {j} {size} 0")
-        live.append((j, size))
         alive += size
         peak = max(peak, alive)
-        if len(live) > pw.ALLOCFREE_LIVE:
-            slot, freed = live.pop(int(drops[j] * len(live)))
-            lines.append(f"f {slot}")
-            alive -= freed
+        if frees[j] is not None:
+            lines.append(f"f {frees[j]}")
+            alive -= rounded[frees[j]]
     return lines, len(sizes), peak
 
 

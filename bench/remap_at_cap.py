@@ -50,6 +50,20 @@ def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
     return row
 
 
+def table_line(row: dict, lagged: bool) -> str:
+    """One row of the table: a trace at one device lag."""
+    cols = [row[k] for k in ("uncapped", "x1.02", "x1.05")]
+    gib = [c["mapped_bytes"] / 2**30 for c in cols]
+    units = [c["physical_units"] for c in cols]
+    waits = (f"{cols[1]['waits']:10d} ({cols[1]['waited_operations']:5d}) "
+             f"{cols[2]['waits']:3d} ({cols[2]['waited_operations']:5d})  ") if lagged else ""
+    driver = [c["driver_ms"] or 0.0 for c in cols]
+    ooms = cols[1]["ooms"] + cols[2]["ooms"]
+    return (f"{row['trace']:11s} {row['device_lag']:5d} {gib[0]:20.2f} {gib[1]:7.2f} {gib[2]:7.2f}   "
+            f"{units[0]:15d} {units[1]:6d} {units[2]:6d}  {driver[1]:16.1f} {driver[2]:6.1f}  {ooms:4d}  "
+            f"{waits}{row['min_capacity']:.4f}x")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="*",
@@ -83,25 +97,14 @@ def main(argv=None) -> int:
               f"{'1.05x':>6s}  {'OOMs':>4s}  "
               + (f"{'waits (ops): 1.02x':>18s} {'1.05x':>11s}  " if lagged else "")
               + "min capacity")
-    for trace, lag in ((t, lag) for t in traces for lag in lags):
-        try:
-            row = measure(trace, args.release, device_lag=lag, passes=args.passes)
-        except ValueError as e:  # a malformed or unreadable trace: say which, go on with the others
-            print(f"{trace}: {e}", file=sys.stderr)
-            continue
-        if args.json:
-            print(json.dumps(row), flush=True)
-            continue
-        cols = [row[k] for k in ("uncapped", "x1.02", "x1.05")]
-        gib = [c["mapped_bytes"] / 2**30 for c in cols]
-        units = [c["physical_units"] for c in cols]
-        waits = (f"{cols[1]['waits']:10d} ({cols[1]['waited_operations']:5d}) "
-                 f"{cols[2]['waits']:3d} ({cols[2]['waited_operations']:5d})  ") if lagged else ""
-        driver = [c["driver_ms"] or 0.0 for c in cols]
-        ooms = cols[1]["ooms"] + cols[2]["ooms"]
-        print(f"{row['trace']:11s} {lag:5d} {gib[0]:20.2f} {gib[1]:7.2f} {gib[2]:7.2f}   {units[0]:15d} "
-              f"{units[1]:6d} {units[2]:6d}  {driver[1]:16.1f} {driver[2]:6.1f}  {ooms:4d}  "
-              f"{waits}{row['min_capacity']:.4f}x", flush=True)
+    for trace in traces:
+        for lag in lags:
+            try:
+                row = measure(trace, args.release, device_lag=lag, passes=args.passes)
+            except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
+                print(f"{trace}: {e}", file=sys.stderr)
+                break
+            print(json.dumps(row) if args.json else table_line(row, lagged), flush=True)
     return 0
 
 

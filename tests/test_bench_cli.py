@@ -249,6 +249,11 @@ def test_remap_at_cap_gives_a_row_per_lag_and_the_last_pass(tmp_path):
     table = run([BENCH / "remap_at_cap.py", "--device-lag", "20,100", trace], cwd=tmp_path)
     assert table.returncode == 0 and [ln.split()[:2] for ln in table.stdout.splitlines()[1:]] == [
         ["fbs_bert", "20"], ["fbs_bert", "100"]]
+    bad_trace = tmp_path / "bad.trace"
+    bad_trace.write_text("a 0 512 0\nf 7\n")
+    r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "20,100", bad_trace, trace], cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr.count("bad.trace:2:") == 1  # said once, not once per lag
+    assert [json.loads(line)["device_lag"] for line in r.stdout.splitlines()] == [20, 100]
     for bad, said in ((["--device-lag", "20,x"], "whole numbers"), (["--passes", "0"], "at least 1")):
         r = run([BENCH / "remap_at_cap.py", *bad, trace], cwd=tmp_path)
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr

@@ -244,6 +244,11 @@ bool Pool::commit_allocation(Block* block, bool release_and_retry) {
   update(stats_.active_bytes, type, [&](Stat& s) { s.increase(size); });
   update(stats_.requested_bytes, type, [&](Stat& s) { s.increase(requested); });
   live_.put(block->address, block);
+  allocated_since_high_water_rose_ += block->size;
+  if (static_cast<double>(live_high_water_) > static_cast<double>(settled_high_water_) * 1.01) {
+    settled_high_water_ = live_high_water_;
+    allocated_since_high_water_rose_ = 0;
+  }
   return true;
 }
 

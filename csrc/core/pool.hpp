@@ -343,6 +343,10 @@ class Pool {
   // Whether `bytes` more reserved bytes fit under the cap, the limit and the high-water allowance
   // without releasing anything (pool_release.cpp).
   bool fits_without_release(std::size_t bytes) const;
+  // Whether a cap or a limit leaves room above the live bytes the pool needs: set, at least
+  // kRoomyBound above the live high water, and that high water settled (pool_release.cpp). Then a
+  // large arena remapping at the bound maps whole groups, not single pages.
+  bool bound_is_roomy() const;
   std::size_t release_cached(std::size_t target, bool rethrow = false);
   std::size_t release_cached_units(std::size_t target);
   std::size_t release_pages_of(Block* block, std::size_t target);
@@ -418,6 +422,10 @@ class Pool {
   std::size_t draining_bytes_ = 0;  // bytes of the draining blocks (still mapped, still reserved)
   std::uint64_t free_seq_ = 0;      // blocks freed so far (Block::freed_seq, Mark::seq)
   std::size_t live_high_water_ = 0;  // highest active bytes so far (not reset by reset_peak_stats)
+  // The live high water as of its last rise by more than 1%, and the bytes allocated since then
+  // (bound_is_roomy: a high water that has held while several times its bytes were allocated).
+  std::size_t settled_high_water_ = 0;
+  std::size_t allocated_since_high_water_rose_ = 0;
   mutable DeviceStats stats_;
   std::vector<Block*> spare_blocks_;  // recycled Block objects, to keep the hot path off the heap
   std::vector<std::pair<int, OomCallback>> oom_callbacks_;

@@ -174,8 +174,14 @@ bool Pool::ensure_mapped(Block* block) {
       const std::size_t n = pages.count_unmapped({g, g + group});
       coarse_pages += n == group ? n : pages.count_unmapped({std::max(g, touched.first), std::min(g + group, touched.end)});
     }
-    whole_groups = fits_without_release(coarse_pages * pages.page());
-    if (whole_groups && !make_room_for(coarse_pages * pages.page())) return false;
+    const std::size_t coarse_bytes = coarse_pages * pages.page();
+    if (fits_without_release(coarse_bytes)) {
+      whole_groups = true;
+      if (!make_room_for(coarse_bytes)) return false;
+    } else if (bound_is_roomy()) {
+      // Room for whole groups under a roomy bound, where releasing can make it; else single pages.
+      whole_groups = make_room_for(coarse_bytes);
+    }
   }
   if (!whole_groups && !make_room_for(missing * pages.page())) return false;
   auto map_run = [&](PageRun run, bool coarse) {

@@ -11,12 +11,16 @@ were still in use (each a stall on a GPU), and in brackets the operations the de
 for them (the stalls' length). Several lags (``--device-lag 20,100,1000``) give a row per trace and lag:
 a layout whose remapping changes with the lag is one the GPU may not reproduce (README). ``--passes N``
 replays each trace N times in one pool and reports the last pass (mapped bytes, units, driver time,
-waits), as the steady steps of a run; the lowest capacity is always one pass's.
+waits), as the steady steps of a run; the lowest capacity is always one pass's. ``--bound limit`` bounds
+the pool with a limit on a full-size device instead of the device's capacity: what a memory fraction
+does on the GPU (bench/pressure.py), where the pool knows the user set a bound and, when it leaves room
+above the settled live high water, remaps whole 8 MiB groups (pool_release.cpp, ``bound_is_roomy``).
 
     python bench/remap_at_cap.py                       # bench/traces/*.trace.gz and the bundled traces
     python bench/remap_at_cap.py bench/traces/fbs_bert.trace.gz --release high_water
     python bench/remap_at_cap.py --device-lag 100      # and the waits for a device running behind
     python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 bench/traces/ckpt.trace.gz
+    python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 --bound limit   # as the GPU bench
 
 Bytes mapped beyond the uncapped figure are pages given back and mapped again because of the cap:
 each such unit costs driver calls on the GPU (and, when its last use may still be running, a wait).
@@ -30,23 +34,23 @@ HERE = Path(__file__).resolve().parent
 
 
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
-            passes: int = 1) -> dict:
+            passes: int = 1, bound: str = "capacity") -> dict:
     from gpumem.replay import min_capacity, replay
 
     uncapped = replay(trace, release=release, device_lag=device_lag, passes=passes)
     peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, device_lag=device_lag,
-               passes=passes, peak_live_bytes=peak)
+               passes=passes, bound=bound, peak_live_bytes=peak)
     reports = [("uncapped", uncapped)] + [
-        (f"x{factor}", replay(trace, release=release, capacity=int(factor * peak), device_lag=device_lag,
-                              passes=passes))
+        (f"x{factor}", replay(trace, release=release, device_lag=device_lag, passes=passes,
+                              **{bound: int(factor * peak)}))
         for factor in factors]
     for key, report in reports:
         row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,
                         physical_units=report.physical_units, ooms=report.ooms,
                         fragmentation=report.fragmentation, waits=report.waits,
                         waited_operations=report.waited_operations, driver_ms=report.driver_ms)
-    row["min_capacity"] = min_capacity(trace, release=release, device_lag=device_lag).ratio
+    row["min_capacity"] = min_capacity(trace, release=release, device_lag=device_lag, bound=bound).ratio
     return row
 
 
@@ -74,6 +78,10 @@ def main(argv=None) -> int:
                          "per trace and lag (default 0)")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")
+    ap.add_argument("--bound", default="capacity", choices=("capacity", "limit"),
+                    help="what 1.02x and 1.05x (and the lowest 0-OOM bound) set: the simulated device's "
+                         "capacity (default), or a limit on its default size, as "
+                         "set_per_process_memory_fraction sets on a GPU (what bench/pressure.py caps)")
     ap.add_argument("--json", action="store_true",
                     help="one JSON line per trace (and lag) instead of the table")
     args = ap.parse_args(argv)
@@ -96,11 +104,11 @@ def main(argv=None) -> int:
               f"{'units: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'driver ms: 1.02x':>16s} "
               f"{'1.05x':>6s}  {'OOMs':>4s}  "
               + (f"{'waits (ops): 1.02x':>18s} {'1.05x':>11s}  " if lagged else "")
-              + "min capacity")
+              + ("min capacity" if args.bound == "capacity" else "min limit"))
     for trace in traces:
         for lag in lags:
             try:
-                row = measure(trace, args.release, device_lag=lag, passes=args.passes)
+                row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound)
             except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
                 print(f"{trace}: {e}", file=sys.stderr)
                 break

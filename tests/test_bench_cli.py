@@ -232,6 +232,27 @@ def test_remap_at_cap_counts_the_waits_on_a_lagging_device(tmp_path):
     assert r.returncode == 2 and "--device-lag -3: -3 is negative" in r.stderr
 
 
+def test_remap_at_cap_under_a_limit_remaps_whole_groups_once_the_pool_has_settled(tmp_path):
+    """--bound limit: 1.02x and 1.05x are limits on a full-size device, as a memory fraction on the GPU.
+    On the BERT-inference trace's third pass the live high water has long settled, so under the roomy
+    1.05x limit the pool remaps whole 8 MiB groups and no longer gives pages back every step: far fewer
+    physical units and no wait, where the same 1.05x as the device's capacity (no bound the user set)
+    still remaps single pages; 1.02x is within 2% of the high water: both remap the same bytes there."""
+    trace = BENCH / "traces" / "fbs_bert.trace.gz"
+    rows = {}
+    for bound in ("capacity", "limit"):
+        r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "100", "--passes", "3", "--bound", bound,
+                 trace], cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        (rows[bound],) = [json.loads(line) for line in r.stdout.splitlines()]
+        assert rows[bound]["bound"] == bound and rows[bound]["x1.05"]["ooms"] == 0
+    limit, capacity = rows["limit"], rows["capacity"]
+    assert capacity["x1.05"]["waits"] > 0 and limit["x1.05"]["waits"] == 0
+    assert limit["x1.05"]["physical_units"] * 10 < capacity["x1.05"]["physical_units"]
+    assert limit["x1.02"]["mapped_bytes"] == capacity["x1.02"]["mapped_bytes"] > 0
+    assert 1.0 < limit["min_capacity"] < 1.02
+
+
 def test_remap_at_cap_gives_a_row_per_lag_and_the_last_pass(tmp_path):
     """--device-lag 20,100 --passes 2: one row per lag, each the second pass of the trace in one pool
     (uncapped, nothing is mapped again; capped, no OOM), the lowest capacity a single pass's; a lag list

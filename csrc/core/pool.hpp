@@ -10,8 +10,10 @@
 //    physical allocation per page in small arenas; in large ones one per group of pages (8 MiB by
 //    default) while whole groups fit, and within 1% of the cap one per 2 MiB page except the groups
 //    a block of 256 MiB or more covers whole, so that in the tight case a block pins no more than it
-//    touches (page_map.hpp: units). Units unmapped to make room for a block are kept for its map
-//    (Upstream::keep_released_units) rather than released and created again. When the best fit needs
+//    touches (page_map.hpp: units); under a roomy cap or limit (2% above a settled live high water,
+//    bound_is_roomy) whole groups again, released to make room: the bound does not decide what fits
+//    there, and the driver's work goes by units. Units unmapped to make room for a block are kept for
+//    its map (Upstream::keep_released_units) rather than released and created again. When the best fit needs
 //    pages mapped, a larger free block that needs fewer takes the block (Pool::fewest_unmapped_fit),
 //    and within its free block it goes where it needs the fewest (Pool::place). Free pages anywhere in
 //    it can be unmapped, so free memory in the middle of a region goes back to the device

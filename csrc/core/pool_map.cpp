@@ -137,7 +137,8 @@ class KeepReleasedUnits {
 // Placement of physical memory (page_map.hpp, units): in a region with groups (a large arena's 8 MiB
 // pages), each group the block touches that is wholly unmapped is mapped whole, as one physical
 // allocation, when all of them fit without releasing anything (under the cap, the limit and the
-// high-water allowance); otherwise only the pages the block touches are mapped, one device page
+// high-water allowance) or, under a roomy cap or limit (bound_is_roomy), when releasing cached pages
+// makes room for them; otherwise only the pages the block touches are mapped, one device page
 // each except, in a block of kCoveredGroupsMinBytes or more, the groups it covers whole (one group
 // unit each), so that near the cap a block reserves at most 2 MiB past its end instead of up to
 // 8 MiB, and the pages it shares with its neighbours can be given back one by one. Units unmapped

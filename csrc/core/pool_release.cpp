@@ -78,11 +78,13 @@ bool Pool::lends_near_cap(std::size_t block_bytes) const {
 // decides whether the workload fits, and a large arena that remaps at the bound maps whole 8 MiB
 // groups instead of single 2 MiB pages: a quarter of the driver's units, and a layout that settles.
 // CPU replay of the bench traces under a limit of 1.05x their peak live bytes, last of three passes,
-// device 20 / 100 / 1000 operations behind (README): ckpt 2,312-2,666 units and 12-17 waits a pass ->
-// 136-798 units and no wait, bert 1,004-1,312 units and 13-15 waits -> 0-90 and none; at 1.02x
-// (below the 2%) and the lowest 0-OOM limits nothing changes. The settling guards the tight case of a
-// workload still growing towards its peak (one long generation whose KV cache grows to the end:
-// with 2% alone its lowest 0-OOM limit rose from 1.0108x to 1.0234x, with 2x instead of 4x to 1.0141x).
+// device 20 / 100 / 1000 operations behind (bench/remap_at_cap.py --bound limit, README): ckpt
+// 2,312-2,666 units and 12-17 waits a pass -> 0-408 units and no wait, bert 1,004-1,312 units and
+// 13-15 waits -> 0-90 and none; at 1.02x (below the 2%) and the lowest 0-OOM limits nothing changes.
+// On one H100 at 1.05x the steady step (no wait left) went from 116-120 to 107-110 ms on ckpt and
+// from 25.1-25.2 to 23.4 ms on bert. The settling guards the tight case of a workload still growing
+// towards its peak (one long generation whose KV cache grows to the end: with 2% alone its lowest
+// 0-OOM limit rose from 1.0108x to 1.0234x, with 2x instead of 4x to 1.0141x).
 constexpr double kRoomyBound = 0.02;
 constexpr double kSettledAfter = 4.0;
 

@@ -191,10 +191,15 @@ def min_capacity(
     trace: Union[str, Path],
     tolerance: float = 0.0025,
     checks: Tuple[float, ...] = (0.01, 0.02, 0.05),
+    bound: str = "capacity",
     **options: Any,
 ) -> MinCapacity:
     """The tight case on the CPU: the lowest simulated device capacity, as a multiple of the trace's
     peak live bytes P, at which the whole trace replays with 0 OOMs, bisected to ``tolerance`` x P.
+    With ``bound="limit"`` the device keeps its default size and the bound is the pool's limit instead
+    (what ``set_per_process_memory_fraction`` sets on a GPU, and what the GPU pressure bench bisects);
+    the pool treats the two alike except where it asks whether the user set a bound (a cap or a
+    limit: ``capacity_bytes`` is then the limit found).
 
     Each step is a fresh replay (``options`` are ``replay``'s: upstream, page_size, release, ...) on a
     device of that capacity; a capped PyTorch run stops at its first OOM, so any OOM fails the step.
@@ -205,6 +210,8 @@ def min_capacity(
     """
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
+    if bound not in ("capacity", "limit"):
+        raise ValueError(f"bound must be 'capacity' or 'limit', got {bound!r}")
     if "capacity" in options or "limit" in options or "progress" in options:
         raise ValueError("min_capacity chooses the capacity itself: pass neither capacity, limit "
                          "nor progress")
@@ -216,7 +223,8 @@ def min_capacity(
 
     def passes(capacity: int) -> bool:
         if capacity not in passed:
-            passed[capacity] = replay(trace, capacity=capacity, **options).ooms == 0
+            bounded = {"capacity": capacity} if bound == "capacity" else {"limit": capacity}
+            passed[capacity] = replay(trace, **bounded, **options).ooms == 0
         return passed[capacity]
 
     lo, hi = peak, max(base.peak_reserved_bytes, peak + 1)

@@ -1,6 +1,7 @@
 // pool_tests, continued: the physical units of large arenas (page_map.hpp) and where a block is placed
 // in its free block (Pool::place). Far from the cap a large arena maps whole 8 MiB groups; within 1%
-// of the cap single 2 MiB pages, except the groups a block of 256 MiB or more covers whole; pages go
+// of the cap single 2 MiB pages, except the groups a block of 256 MiB or more covers whole, and except
+// under a roomy cap (2% above a settled live high water), where it remaps whole groups; pages go
 // back only as the units they were mapped as (the simulated device refuses to unmap part of a
 // physical allocation) and, unmapped to make room for a block, back it without a new allocation; a
 // block goes where it needs the fewest unmapped pages.
@@ -140,6 +141,57 @@ TEST(a_capped_pool_fits_what_whole_groups_would_not) {
   check_clean(*s.pool, *s.dev);
   for (std::uintptr_t b : blocks) s.pool->free(b);
   check_empty_after_trim(*s.pool, *s.dev);
+}
+
+namespace {
+
+// Under a 120 MiB cap: x (48 MiB) and y (48 MiB) take 12 whole groups, [0, 96) MiB, and set the live
+// high water to 96 MiB; x is freed and made again `cycles` times (in its own hole: no new page), then
+// freed. z (52 MiB) does not fit the hole, so it goes at [96, 148) and raises the high water to 100 MiB:
+// whole groups would reach 152 MiB, past the cap, so the pool releases x's hole (cached groups) to make
+// room. Returns reserved bytes after z; y and z live.
+std::int64_t reserved_after_remapping_at_the_cap(Setup& s, int cycles) {
+  std::uintptr_t x = s.pool->allocate(48 * MiB, 0);
+  std::uintptr_t y = s.pool->allocate(48 * MiB, 0);
+  CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(96 * MiB));
+  for (int i = 0; i < cycles; ++i) {
+    s.pool->free(x);
+    x = s.pool->allocate(48 * MiB, 0);
+  }
+  s.pool->free(x);
+  std::uintptr_t z = s.pool->allocate(52 * MiB, 0);
+  CHECK_EQ(z, y + 48 * MiB);
+  CHECK_EQ(s.pool->stats().num_ooms, std::int64_t(0));
+  const std::int64_t reserved = cur(s.pool->stats().reserved_bytes);
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(y);
+  s.pool->free(z);
+  check_empty_after_trim(*s.pool, *s.dev);  // every unit went back whole, as it was mapped
+  return reserved;
+}
+
+}  // namespace
+
+TEST(under_a_roomy_cap_a_settled_pool_remaps_whole_groups) {
+  // 120 MiB is more than 2% above the high water (100 MiB with z), and after ten cycles 480 MiB were
+  // allocated since it last rose, at least 4x its bytes: settled. z maps its 7 groups whole,
+  // [96, 152) MiB: 32 MiB of x's hole go back and reserved ends at the cap.
+  Setup roomy = grouped(1024 * MiB, 120 * MiB);
+  CHECK_EQ(reserved_after_remapping_at_the_cap(roomy, 10), std::int64_t(120 * MiB));
+  // A limit (what torch.cuda.set_per_process_memory_fraction sets) is a bound as the cap is.
+  Setup limited = grouped(1024 * MiB, 0);
+  limited.pool->set_limit(120 * MiB);
+  CHECK_EQ(reserved_after_remapping_at_the_cap(limited, 10), std::int64_t(120 * MiB));
+  // The same after two cycles (192 MiB since the rise, less than 4x): not settled, so z maps the 26
+  // pages it touches, [96, 148), as before: 116 MiB.
+  Setup unsettled = grouped(1024 * MiB, 120 * MiB);
+  CHECK_EQ(reserved_after_remapping_at_the_cap(unsettled, 2), std::int64_t(116 * MiB));
+  // A cap within 2% of the high water is tight, settled or not: single pages, and x's whole hole goes.
+  Setup tight = grouped(1024 * MiB, 101 * MiB);
+  CHECK_EQ(reserved_after_remapping_at_the_cap(tight, 10), std::int64_t(100 * MiB));
+  // No cap: the device bounds the pool, whole groups fit without releasing anything.
+  Setup free_pool = grouped(1024 * MiB, 0);
+  CHECK_EQ(reserved_after_remapping_at_the_cap(free_pool, 10), std::int64_t(152 * MiB));
 }
 
 TEST(a_block_goes_where_it_needs_the_fewest_unmapped_pages) {

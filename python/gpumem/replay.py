@@ -223,8 +223,11 @@ def min_capacity(
 
     def passes(capacity: int) -> bool:
         if capacity not in passed:
-            bounded = {"capacity": capacity} if bound == "capacity" else {"limit": capacity}
-            passed[capacity] = replay(trace, **bounded, **options).ooms == 0
+            if bound == "capacity":
+                report = replay(trace, capacity=capacity, **options)
+            else:
+                report = replay(trace, limit=capacity, **options)
+            passed[capacity] = report.ooms == 0
         return passed[capacity]
 
     lo, hi = peak, max(base.peak_reserved_bytes, peak + 1)

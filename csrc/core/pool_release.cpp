@@ -81,8 +81,8 @@ bool Pool::lends_near_cap(std::size_t block_bytes) const {
 // device 20 / 100 / 1000 operations behind (bench/remap_at_cap.py --bound limit, README): ckpt
 // 2,312-2,666 units and 12-17 waits a pass -> 0-408 units and no wait, bert 1,004-1,312 units and
 // 13-15 waits -> 0-90 and none; at 1.02x (below the 2%) and the lowest 0-OOM limits nothing changes.
-// On one H100 at 1.05x the steady step (no wait left) went from 116-120 to 107-110 ms on ckpt and
-// from 25.1-25.2 to 23.4 ms on bert. The settling guards the tight case of a workload still growing
+// On one H100 at 1.05x the steady step (no wait left) went from 116-123 to 107-113 ms on ckpt and
+// from 24.9-25.2 to 23.4-24.0 ms on bert. The settling guards the tight case of a workload still growing
 // towards its peak (one long generation whose KV cache grows to the end: with 2% alone its lowest
 // 0-OOM limit rose from 1.0108x to 1.0234x, with 2x instead of 4x to 1.0141x).
 constexpr double kRoomyBound = 0.02;
@@ -91,7 +91,8 @@ constexpr double kSettledAfter = 4.0;
 bool Pool::bound_is_roomy() const {
   if (options_.cap_bytes == 0 && budget_->limit() == Budget::kNoLimit) return false;  // the device bounds it
   const auto high_water = static_cast<double>(live_high_water_);
-  return high_water * (1.0 + kRoomyBound) <= static_cast<double>(effective_cap_locked()) &&
+  return live_high_water_ > 0 &&
+         high_water * (1.0 + kRoomyBound) <= static_cast<double>(effective_cap_locked()) &&
          static_cast<double>(allocated_since_high_water_rose_) >= kSettledAfter * high_water;
 }
 

@@ -1,7 +1,7 @@
 """The workloads of bench/pressure.py and the one-run worker it starts, one process per run.
 
     python bench/pressure_workloads.py WORKLOAD ALLOCATOR [--fraction F] [--stop-on-oom] [--quick]
-                                       [--passes N]
+                                       [--passes N] [--release-slack S]
     python bench/pressure_workloads.py WORKLOAD none --device cpu --tiny     # the code path, on the CPU
 
 Prints one JSON line: OOM steps, step time, torch's peak allocated / reserved bytes, the device's
@@ -39,7 +39,11 @@ pass's OOMs decide it), steady_device_allocs / steady_device_frees (num_device_a
 num_device_free of the allocator's statistics per timed step: 0 when the allocator maps nothing once
 the shapes repeat; None for async and rmm, whose statistics do not count them) and
 steady_max_allocated / steady_max_reserved (the peaks over every pass). With --stop-on-oom an OOM in
-any pass ends the run, and the pass it ended has no step time.
+any pass ends the run, and the pass it ended has no step time. pass_step_ms lists each pass's mean
+step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
+
+--release-slack S (gpumem_hw only) sets gpumem's release_slack: how far reserved may exceed the live
+high water (gpumem's default 0.005).
 """
 from __future__ import annotations
 
@@ -62,10 +66,14 @@ WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", 
 CONTEXT_BYTES = 900 << 20
 
 
-def select_allocator(name: str, fraction: float | None) -> None:
-    """Make `name` torch's CUDA allocator; before anything starts CUDA (rmm: after, see rmm_pool)."""
+def select_allocator(name: str, fraction: float | None, release_slack: float | None = None) -> None:
+    """Make `name` torch's CUDA allocator; before anything starts CUDA (rmm: after, see rmm_pool).
+    `release_slack`: gpumem_hw's slack above the live high water (None: gpumem's default)."""
     if name in GPUMEM_CONF:
-        os.environ["GPUMEM_CONF"] = GPUMEM_CONF[name]
+        conf = GPUMEM_CONF[name]
+        if release_slack is not None:
+            conf += f",release_slack:{release_slack}"
+        os.environ["GPUMEM_CONF"] = conf
         import gpumem  # noqa: F401  registers itself as torch's CUDA allocator
     elif name in TORCH_ALLOC_CONF:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = TORCH_ALLOC_CONF[name]
@@ -468,7 +476,7 @@ def run(args) -> dict:
     if args.device == "cpu" and args.allocator != "none":
         raise SystemExit("--device cpu runs the workloads' code only: the allocator must be 'none'")
     if args.allocator != "rmm" and args.allocator != "none":
-        select_allocator(args.allocator, args.fraction)  # before torch starts CUDA
+        select_allocator(args.allocator, args.fraction, args.release_slack)  # before torch starts CUDA
     import torch
 
     DEVICE = torch.device(args.device)
@@ -539,6 +547,9 @@ def run(args) -> dict:
                   total_bytes=total, device=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu")
     result.update(peaks)
     result.update(steady_figures(later, args.passes, timed))
+    # Each pass's mean step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
+    result["pass_step_ms"] = [None if p["seconds"] is None else 1000 * p["seconds"] / timed for p in passes]
+    result["release_slack"] = args.release_slack
     if later and DEVICE.type == "cuda":  # the peaks over every pass: whether repeating the shapes grew them
         result.update({"steady_" + k: v for k, v in memory_peaks(torch, rmm_resources).items()})
     return result
@@ -602,7 +613,14 @@ def parse_args(argv=None):
     ap.add_argument("--passes", type=int, default=1,
                     help="run the whole step list this many times (default 1); passes 2..N give the "
                          "steady_* figures")
+    ap.add_argument("--release-slack", type=float, default=None,
+                    help="gpumem_hw only: how far reserved may exceed the live high water (default: "
+                         "gpumem's, 0.005)")
     args = ap.parse_args(argv)
+    if args.release_slack is not None and args.allocator != "gpumem_hw":
+        ap.error("--release-slack applies to gpumem_hw only")
+    if args.release_slack is not None and not 0 <= args.release_slack <= 1:
+        ap.error(f"--release-slack must be in [0, 1], got {args.release_slack}")
     if args.passes < 1:
         ap.error(f"--passes must be at least 1, got {args.passes}")
     if args.fraction is not None and not 0 < args.fraction <= 1:

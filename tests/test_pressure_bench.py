@@ -107,6 +107,34 @@ def test_passes_add_steady_figures_and_leave_the_first_pass_as_it_was():
     assert r.returncode == 2 and "--passes must be at least 1, got 0" in r.stderr
 
 
+def test_each_pass_has_its_own_step_time_and_the_slack_is_checked():
+    """pass_step_ms: one mean step per pass (whether a remapping policy settles as shapes repeat), the
+    first equal to step_ms. --release-slack belongs to gpumem_hw and must be a fraction."""
+    three = worker("allocfree", "none", "--passes", "3", "--quick")
+    per_pass = three["pass_step_ms"]
+    assert len(per_pass) == 3 and all(t > 0 for t in per_pass), per_pass
+    assert per_pass[0] == pytest.approx(three["step_ms"])
+    assert three["steady_step_ms"] == pytest.approx(sum(per_pass[1:]) / 2)
+    assert three["release_slack"] is None
+    for args, message in ((["none", "--release-slack", "0.03"], "--release-slack applies to gpumem_hw only"),
+                          (["gpumem", "--release-slack", "0.03"], "--release-slack applies to gpumem_hw only"),
+                          (["gpumem_hw", "--release-slack", "-0.1"], "--release-slack must be in [0, 1], got -0.1")):
+        r = run("allocfree", *args, "--device", "cpu", "--tiny", script="pressure_workloads.py")
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+
+
+def test_the_slack_reaches_gpumem_through_its_configuration(monkeypatch):
+    """gpumem_hw with a slack sets GPUMEM_CONF before gpumem is imported (the worker imports it next;
+    without CUDA the import only reports that it is not torch's allocator)."""
+    import pressure_workloads as pw
+
+    monkeypatch.delenv("GPUMEM_CONF", raising=False)
+    pw.select_allocator("gpumem_hw", None, 0.03)
+    assert pw.os.environ["GPUMEM_CONF"] == "release:high_water,release_slack:0.03"
+    pw.select_allocator("gpumem_hw", None)
+    assert pw.os.environ["GPUMEM_CONF"] == "release:high_water"
+
+
 def a_pass(ooms=0, seconds=0.5, calls=(0, 0), oom="", driver=None):
     return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls,
                 driver=driver)

@@ -262,11 +262,24 @@ def w_allocfree(torch, tiny, rng):
     live: dict = {}
     chunk = 50 if tiny else 2000  # ten steps: an OOM is counted per step
 
+    # The tensors the plan keeps alive when each step starts. A step begins by dropping any others: the
+    # last pass's (a later pass repeats the first), or those a step lost to an out-of-memory error
+    # would have freed (the run goes on after an OOM step).
+    alive_at, alive = [], set()
+    for i in range(n // chunk):
+        alive_at.append(frozenset(alive))
+        for j in range(i * chunk, (i + 1) * chunk):
+            alive.add(j)
+            alive.discard(frees[j])
+
     def step(i):
+        for k in [k for k in live if k not in alive_at[i]]:
+            del live[k]
         for j in range(i * chunk, (i + 1) * chunk):
             live[j] = torch.empty(sizes[j] // (64 if tiny else 1), dtype=torch.uint8, device=DEVICE)
             if frees[j] is not None:
-                del live[frees[j]]
+                live.pop(frees[j], None)  # absent: made in a step lost to an OOM
+    step.live = live  # the tensors alive (tests)
     return n // chunk, 1, step
 
 

@@ -135,6 +135,33 @@ def test_the_slack_reaches_gpumem_through_its_configuration(monkeypatch):
     assert pw.os.environ["GPUMEM_CONF"] == "release:high_water"
 
 
+def test_allocfree_passes_repeat_the_same_requests_and_survive_a_lost_step():
+    """allocfree on the CPU (real torch tensors): every pass holds what the first did (at most
+    ALLOCFREE_LIVE tensors after each step: a later pass does not keep the last pass's tensors alive, which under a
+    1.05x cap ran pass 2 out of memory), and a step whose tensors were never made (it ran out of memory
+    at its first request) does not break the steps after it, which free some of those tensors."""
+    import torch
+
+    import pressure_workloads as pw
+
+    pw.DEVICE = torch.device("cpu")
+    steps, _, step = pw.make_workload("allocfree", torch, tiny=True)
+    most = []
+    for _ in range(2):
+        for i in range(steps):
+            step(i)
+            most.append(len(step.live))
+    assert max(most) == pw.ALLOCFREE_LIVE and most[:steps] == most[steps:], most
+    sizes, frees = pw.allocfree_plan(__import__("random").Random(0), True)
+    chunk = len(sizes) // steps
+    lost = range(chunk, 2 * chunk)  # step 1's tensors, never made
+    assert any(f in lost for f in frees[2 * chunk:3 * chunk])  # step 2 frees some of them
+    steps, _, step = pw.make_workload("allocfree", torch, tiny=True)
+    step(0)
+    step(2)  # step 1 lost: its tensors were never made
+    assert all(j not in step.live for j in lost) and len(step.live) <= pw.ALLOCFREE_LIVE
+
+
 def a_pass(ooms=0, seconds=0.5, calls=(0, 0), oom="", driver=None):
     return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls,
                 driver=driver)

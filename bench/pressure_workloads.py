@@ -443,13 +443,16 @@ DEVICE = None  # torch.device of the run, set by run()
 
 
 def is_oom(error: BaseException) -> bool:
-    """torch's OutOfMemoryError, or a library's allocation failure under a cap (cuBLAS, cuDNN)."""
+    """torch's OutOfMemoryError, or an allocation failure under a cap that reaches Python as a
+    RuntimeError: a library's (cuBLAS, cuDNN) or RAPIDS RMM's pool at its maximum size, which raises
+    "std::bad_alloc: out_of_memory: RMM failure at: ... Maximum pool size exceeded"."""
     import torch
 
     if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+    return isinstance(error, RuntimeError) and any(
+        marker in text for marker in ("out of memory", "ALLOC_FAILED", "std::bad_alloc: out_of_memory"))
 
 
 # The allocators whose statistics count the calls that take memory from the device and give it back

@@ -162,6 +162,23 @@ def test_allocfree_passes_repeat_the_same_requests_and_survive_a_lost_step():
     assert all(j not in step.live for j in lost) and len(step.live) <= pw.ALLOCFREE_LIVE
 
 
+def test_out_of_memory_errors_of_torch_libraries_and_rmm_count_as_oom_steps():
+    """What a capped run counts as an OOM step (and goes on) rather than an error that ends it: RMM's
+    pool at its maximum size raises a RuntimeError of its own (the text of an H100 run at 1.05x)."""
+    import torch
+
+    from pressure_workloads import is_oom
+
+    rmm = ("std::bad_alloc: out_of_memory: RMM failure at:/__w/rmm/rmm/cpp/src/mr/detail/"
+           "pool_memory_resource_impl.cpp:73: Maximum pool size exceeded (failed to allocate 1.201172 GiB): "
+           "Not enough room to grow, current/max/try size = 2.922531 GiB, 3.563375 GiB, 1.201172 GiB")
+    assert is_oom(RuntimeError(rmm))
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."))
+    assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not is_oom(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
+    assert not is_oom(KeyError(3872))
+
+
 def a_pass(ooms=0, seconds=0.5, calls=(0, 0), oom="", driver=None):
     return dict(ooms=ooms, first_oom=0 if ooms else None, oom=oom, seconds=seconds, calls=calls,
                 driver=driver)

@@ -116,8 +116,9 @@ def test_each_pass_has_its_own_step_time_and_the_slack_is_checked():
     assert per_pass[0] == pytest.approx(three["step_ms"])
     assert three["steady_step_ms"] == pytest.approx(sum(per_pass[1:]) / 2)
     assert three["release_slack"] is None
-    for args, message in ((["none", "--release-slack", "0.03"], "--release-slack applies to gpumem_hw only"),
-                          (["gpumem", "--release-slack", "0.03"], "--release-slack applies to gpumem_hw only"),
+    only_hw = "--release-slack applies to gpumem_hw only"
+    for args, message in ((["none", "--release-slack", "0.03"], only_hw),
+                          (["gpumem", "--release-slack", "0.03"], only_hw),
                           (["gpumem_hw", "--release-slack", "-0.1"], "--release-slack must be in [0, 1], got -0.1")):
         r = run("allocfree", *args, "--device", "cpu", "--tiny", script="pressure_workloads.py")
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
@@ -137,9 +138,11 @@ def test_the_slack_reaches_gpumem_through_its_configuration(monkeypatch):
 
 def test_allocfree_passes_repeat_the_same_requests_and_survive_a_lost_step():
     """allocfree on the CPU (real torch tensors): every pass holds what the first did (at most
-    ALLOCFREE_LIVE tensors after each step: a later pass does not keep the last pass's tensors alive, which under a
-    1.05x cap ran pass 2 out of memory), and a step whose tensors were never made (it ran out of memory
-    at its first request) does not break the steps after it, which free some of those tensors."""
+    ALLOCFREE_LIVE tensors after each step; a later pass does not keep the last pass's tensors alive,
+    which under a 1.05x cap ran pass 2 out of memory), and a step whose tensors were never made (it ran
+    out of memory at its first request) does not break the steps after it, which free some of them."""
+    import random
+
     import torch
 
     import pressure_workloads as pw
@@ -152,7 +155,7 @@ def test_allocfree_passes_repeat_the_same_requests_and_survive_a_lost_step():
             step(i)
             most.append(len(step.live))
     assert max(most) == pw.ALLOCFREE_LIVE and most[:steps] == most[steps:], most
-    sizes, frees = pw.allocfree_plan(__import__("random").Random(0), True)
+    sizes, frees = pw.allocfree_plan(random.Random(0), True)  # make_workload's seed 0: the same plan
     chunk = len(sizes) // steps
     lost = range(chunk, 2 * chunk)  # step 1's tensors, never made
     assert any(f in lost for f in frees[2 * chunk:3 * chunk])  # step 2 frees some of them

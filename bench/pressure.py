@@ -2,7 +2,7 @@
 
     python bench/pressure.py [--workloads moe,bert] [--allocators native,expandable,gpumem] [--quick]
                              [--repeats 3] [--passes 2] [--json OUT.json] [--jobs 8] [--budget-s 420]
-                             [--resume EARLIER.json] [--dry-run] [--device cpu]
+                             [--resume EARLIER.json] [--release-slack S] [--dry-run] [--device cpu]
 
 For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
 vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
@@ -168,6 +168,8 @@ class Runner:
             cmd.append("--stop-on-oom")
         if t.passes > 1:
             cmd += ["--passes", str(t.passes)]
+        if self.args.release_slack is not None and t.allocator == "gpumem_hw" and self.args.device == "cuda":
+            cmd += ["--release-slack", str(self.args.release_slack)]
         return cmd
 
     def ceiling(self, workload: str) -> float:
@@ -483,6 +485,9 @@ def parse_args(argv=None):
                          "timed figures and trials are kept, each unfinished search continues from its "
                          "bracket; workloads it lacks are measured from the start. The new --json holds "
                          "the earlier run's other workloads too, so calls can be chained")
+    ap.add_argument("--release-slack", type=float, default=None, metavar="S",
+                    help="gpumem_hw's release_slack: how far reserved may exceed the live high water "
+                         "(default gpumem's, 0.005)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: each workload's code once, tiny, no allocator or cap (CI)")
@@ -510,6 +515,10 @@ def parse_args(argv=None):
         ap.error("--repeats must be at least 1")
     if args.passes < 1:
         ap.error("--passes must be at least 1")
+    if args.release_slack is not None and "gpumem_hw" not in args.allocators:
+        ap.error("--release-slack applies to gpumem_hw, which --allocators does not name")
+    if args.release_slack is not None and not 0 <= args.release_slack <= 1:
+        ap.error(f"--release-slack must be in [0, 1], got {args.release_slack}")
     args.earlier = None
     if args.resume:
         try:
@@ -520,8 +529,9 @@ def parse_args(argv=None):
 
 
 def plan(args) -> str:
+    slack = f" (gpumem_hw: release_slack {args.release_slack:g})" if args.release_slack is not None else ""
     lines = [f"device {args.device}; workloads {', '.join(args.workloads)}; allocators "
-             f"{', '.join(args.allocators)}{' (+rmm if it imports)' if args.rmm_auto else ''}"]
+             f"{', '.join(args.allocators)}{' (+rmm if it imports)' if args.rmm_auto else ''}{slack}"]
     passes = (f", {args.passes} passes over the steps" if args.passes > 1 else ", 1 pass") + " each"
     first = "native" if "native" in args.allocators else args.allocators[0]  # as measure() orders them
     earlier = args.earlier["results"] if args.earlier else {}

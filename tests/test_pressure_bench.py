@@ -44,10 +44,30 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--passes", "0"], "--passes must be at least 1"),
+    (["--allocators", "native,gpumem", "--release-slack", "0.03"],
+     "--release-slack applies to gpumem_hw, which --allocators does not name"),
+    (["--release-slack", "1.5"], "--release-slack must be in [0, 1], got 1.5"),
 ])
 def test_bad_arguments_are_refused(args, message):
     r = run("--dry-run", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_the_release_slack_goes_to_gpumem_hw_workers_only():
+    """--release-slack: in the plan, and on the command line of gpumem_hw's workers, no one else's."""
+    args = pressure.parse_args(["--workloads", "bert", "--allocators", "native,gpumem,gpumem_hw",
+                                "--release-slack", "0.03"])
+    assert pressure.plan(args).splitlines()[0].endswith("gpumem_hw (gpumem_hw: release_slack 0.03)")
+    runner = pressure.Runner(args)
+    runner.peak["bert"], runner.total = 1 << 30, 80 << 30
+    for allocator in ("native", "gpumem", "gpumem_hw"):
+        for cap in (None, 1.05):
+            cmd = runner.command(pressure.Trial("bert", allocator, cap, stop_on_oom=cap is not None))
+            assert ("--release-slack" in cmd) == (allocator == "gpumem_hw"), cmd
+            if allocator == "gpumem_hw":
+                assert cmd[cmd.index("--release-slack") + 1] == "0.03"
+    plain = pressure.Runner(pressure.parse_args(["--workloads", "bert", "--allocators", "gpumem_hw"]))
+    assert "--release-slack" not in plain.command(pressure.Trial("bert", "gpumem_hw", None, False))
 
 
 def test_every_workload_runs_tiny_on_the_cpu(tmp_path):

@@ -18,6 +18,7 @@ above the settled live high water, remaps whole 8 MiB groups (pool_release.cpp, 
 
     python bench/remap_at_cap.py                       # bench/traces/*.trace.gz and the bundled traces
     python bench/remap_at_cap.py bench/traces/fbs_bert.trace.gz --release high_water
+    python bench/remap_at_cap.py --release high_water --release-slack 0.03 --device-lag 100 --passes 6
     python bench/remap_at_cap.py --device-lag 100      # and the waits for a device running behind
     python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 bench/traces/ckpt.trace.gz
     python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 --bound limit   # as the GPU bench
@@ -25,6 +26,8 @@ above the settled live high water, remaps whole 8 MiB groups (pool_release.cpp, 
 Bytes mapped beyond the uncapped figure are pages given back and mapped again because of the cap:
 each such unit costs driver calls on the GPU (and, when its last use may still be running, a wait).
 """
+from __future__ import annotations
+
 import argparse
 import json
 import sys
@@ -34,15 +37,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
-            passes: int = 1, bound: str = "capacity") -> dict:
+            passes: int = 1, bound: str = "capacity", release_slack: float | None = None) -> dict:
     from gpumem.replay import min_capacity, replay
 
-    uncapped = replay(trace, release=release, device_lag=device_lag, passes=passes)
+    policy = dict(release=release, release_slack=release_slack)
+    uncapped = replay(trace, device_lag=device_lag, passes=passes, **policy)
     peak = uncapped.peak_live_bytes
-    row = dict(trace=Path(trace).name.split(".")[0], release=release, device_lag=device_lag,
-               passes=passes, bound=bound, peak_live_bytes=peak)
+    row = dict(trace=Path(trace).name.split(".")[0], release=release, release_slack=release_slack,
+               device_lag=device_lag, passes=passes, bound=bound, peak_live_bytes=peak)
     reports = [("uncapped", uncapped)] + [
-        (f"x{factor}", replay(trace, release=release, device_lag=device_lag, passes=passes,
+        (f"x{factor}", replay(trace, device_lag=device_lag, passes=passes, **policy,
                               **{bound: int(factor * peak)}))
         for factor in factors]
     for key, report in reports:
@@ -50,7 +54,7 @@ def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
                         physical_units=report.physical_units, ooms=report.ooms,
                         fragmentation=report.fragmentation, waits=report.waits,
                         waited_operations=report.waited_operations, driver_ms=report.driver_ms)
-    row["min_capacity"] = min_capacity(trace, release=release, device_lag=device_lag, bound=bound).ratio
+    row["min_capacity"] = min_capacity(trace, device_lag=device_lag, bound=bound, **policy).ratio
     return row
 
 
@@ -73,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="*",
                     help="trace files (default: bench/traces/ and gpumem's bundled ones)")
     ap.add_argument("--release", default="lazy", choices=("lazy", "high_water"))
+    ap.add_argument("--release-slack", type=float, default=None, metavar="S",
+                    help="high_water's slack above the live high water (default gpumem's, 0.005)")
     ap.add_argument("--device-lag", default="0", metavar="OPS[,OPS...]",
                     help="the device runs OPS operations behind the replay; adds the waits; several: a row "
                          "per trace and lag (default 0)")
@@ -94,6 +100,10 @@ def main(argv=None) -> int:
         ap.error(f"--device-lag {args.device_lag}: {min(lags)} is negative")
     if args.passes < 1:
         ap.error(f"--passes {args.passes}: at least 1")
+    if args.release_slack is not None and args.release != "high_water":
+        ap.error("--release-slack applies to --release high_water")
+    if args.release_slack is not None and not 0 <= args.release_slack <= 1:
+        ap.error(f"--release-slack must be in [0, 1], got {args.release_slack}")
     lagged = any(lag > 0 for lag in lags)
     from gpumem.replay import bundled_traces
 
@@ -108,7 +118,8 @@ def main(argv=None) -> int:
     for trace in traces:
         for lag in lags:
             try:
-                row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound)
+                row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound,
+                              release_slack=args.release_slack)
             except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
                 print(f"{trace}: {e}", file=sys.stderr)
                 break

@@ -253,6 +253,24 @@ def test_remap_at_cap_under_a_limit_remaps_whole_groups_once_the_pool_has_settle
     assert 1.0 < limit["min_capacity"] < 1.02
 
 
+def test_remap_at_cap_takes_high_waters_slack(tmp_path):
+    """--release high_water --release-slack S: the replays run with that slack (fbs_bert's uncapped
+    reserved / live bytes stay within it, where lazy keeps 1.32x); the slack without high_water, or
+    outside [0, 1], is refused."""
+    trace = BENCH / "traces" / "fbs_bert.trace.gz"
+    r = run([BENCH / "remap_at_cap.py", "--json", "--release", "high_water", "--release-slack", "0.03",
+             trace], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert row["release"] == "high_water" and row["release_slack"] == 0.03
+    assert 1.0 < row["uncapped"]["fragmentation"] <= 1.035, row["uncapped"]
+    for args, message in ((["--release-slack", "0.03"], "--release-slack applies to --release high_water"),
+                          (["--release", "high_water", "--release-slack", "2"],
+                           "--release-slack must be in [0, 1], got 2.0")):
+        r = run([BENCH / "remap_at_cap.py", *args, trace], cwd=tmp_path)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
 def test_remap_at_cap_gives_a_row_per_lag_and_the_last_pass(tmp_path):
     """--device-lag 20,100 --passes 2: one row per lag, each the second pass of the trace in one pool
     (uncapped, nothing is mapped again; capped, no OOM), the lowest capacity a single pass's; a lag list

@@ -2,7 +2,8 @@
 
     python bench/pressure.py [--workloads moe,bert] [--allocators native,expandable,gpumem] [--quick]
                              [--repeats 3] [--passes 2] [--json OUT.json] [--jobs 8] [--budget-s 420]
-                             [--resume EARLIER.json] [--release-slack S] [--dry-run] [--device cpu]
+                             [--resume EARLIER.json] [--release-slack S] [--bound device] [--dry-run]
+                             [--device cpu]
 
 For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
 vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
@@ -36,6 +37,14 @@ allocator's uncapped, to expandable_segments' at 1.05x), and the steady pass's d
 step at 1.05x (num_device_alloc + num_device_free: the remapping left at steady state; none for
 async and rmm, whose statistics do not count them). OOM steps are counted per pass; only the first
 pass's decide a cap (the lowest passing cap is defined by one pass over the steps).
+
+What a cap bounds. set_per_process_memory_fraction bounds the device memory that torch's own allocators
+and gpumem reserve; PyTorch's cudaMallocAsync backend checks it against the bytes torch hands out
+only, and the driver's pool under it may reserve more (the res/cap column: its highest max reserved /
+cap over its passing runs). --bound device bounds the device itself instead, the same for every
+allocator: each capped run leaves its allocator the cap's bytes of the device and takes the rest with
+a ballast of its own (bench/pressure_workloads.py: after one unmeasured pass over the steps), one
+trial at a time.
 
 Prints a table (caps, step times, ratios to the best PyTorch allocator) and, with --json, writes every
 figure and trial (each timed run's figures in the rows' ``*_runs`` lists, each worker's whole result,
@@ -170,6 +179,8 @@ class Runner:
             cmd += ["--passes", str(t.passes)]
         if self.args.release_slack is not None and t.allocator == "gpumem_hw" and self.args.device == "cuda":
             cmd += ["--release-slack", str(self.args.release_slack)]
+        if t.cap is not None and self.args.bound == "device":
+            cmd += ["--bound", "device"]
         return cmd
 
     def ceiling(self, workload: str) -> float:
@@ -206,10 +217,12 @@ class Runner:
         """Runs the trials, as many at once as --jobs and the device's memory allow; a trial that met
         a device short of memory runs again alone."""
         budget = DEVICE_SHARE * self.total
+        # Under --bound device a trial's ballast takes the whole device: one trial at a time.
+        jobs = 1 if self.args.bound == "device" else self.args.jobs
         queue, running, retry = list(trials), [], []
         while queue or running:
             used = sum(self.cap_bytes(t) + CONTEXT_BYTES for t, _ in running)
-            while queue and len(running) < self.args.jobs and (
+            while queue and len(running) < jobs and (
                     not running or used + self.cap_bytes(queue[0]) + CONTEXT_BYTES <= budget):
                 t = queue.pop(0)
                 running.append((t, self._start(t)))
@@ -226,6 +239,17 @@ class Runner:
 
 def passed(result: dict) -> bool:
     return result.get("error") is None and result.get("ooms") == 0
+
+
+def note_reserved_over_cap(row: dict, t: Trial, runner: Runner) -> None:
+    """Keeps in the row the highest max reserved / cap bytes of the allocator's passing capped runs:
+    above 1 where the allocator held more of the device than the cap (PyTorch's cudaMallocAsync
+    backend: set_per_process_memory_fraction bounds the bytes torch hands out, not the driver pool's)."""
+    r = t.result or {}
+    if t.cap is None or not passed(r) or not r.get("max_reserved"):
+        return
+    over = r["max_reserved"] / runner.cap_bytes(t)
+    row["reserved_over_cap"] = max(over, row.get("reserved_over_cap") or 0.0)
 
 
 # ----------------------------------------------------------------------------- one workload
@@ -294,8 +318,10 @@ def measure(workload: str, allocators: list, runner: Runner, args, deadline: flo
     searches = {a: Search(args.tolerance, runner.ceiling(workload))
                 for a in allocators if not rows[a].get("error")}
     for a in searches:
-        r = runner.alone(Trial(workload, a, TIMED_CAP, False, args.passes))
+        t = Trial(workload, a, TIMED_CAP, False, args.passes)
+        r = runner.alone(t)
         rows[a].update(timed_figures("capped", r), capped_error=r.get("error"))
+        note_reserved_over_cap(rows[a], t, runner)
         if r.get("error") is None:
             searches[a].record(TIMED_CAP, passed(r))
     # A capped run that failed with something other than an OOM: no cap can be trusted for that
@@ -320,13 +346,15 @@ def search_rounds(workload: str, rows: dict, searches: dict, runner: Runner, arg
         # The largest cap a trial of this round may take, for how many fit on the device at once.
         highest = max(searches[a].bracket()[1] or min(ceiling, 2 * (searches[a].bracket()[0] or 1))
                       for a in active)
-        room = max(1, min(args.jobs, int(DEVICE_SHARE * runner.total // (highest * P + CONTEXT_BYTES))))
+        jobs = 1 if args.bound == "device" else args.jobs
+        room = max(1, min(jobs, int(DEVICE_SHARE * runner.total // (highest * P + CONTEXT_BYTES))))
         trials = [Trial(workload, a, k, True)
                   for a in active for k in searches[a].propose(max(1, room // len(active)))]
         if not trials:
             break
         runner.parallel(trials)
         for t in trials:
+            note_reserved_over_cap(rows[t.allocator], t, runner)
             if t.result.get("error") is None:
                 searches[t.allocator].record(t.cap, passed(t.result))
             else:
@@ -359,7 +387,8 @@ def resume(workload: str, earlier: dict, runner: Runner, args, deadline: float) 
 
 def load_earlier(path: str, args) -> dict:
     """--resume's JSON (a --json file of this bench), checked against this run's settings: trials of a
-    run with other steps (--quick) or on another device do not continue a search. Raises ValueError
+    run with other steps (--quick), on another device or under another --bound do not continue a search.
+    Raises ValueError
     saying what is wrong."""
     try:
         with open(path) as f:
@@ -367,9 +396,10 @@ def load_earlier(path: str, args) -> dict:
         results, earlier_args = doc["results"], doc["args"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--resume {path}: not a JSON file written by --json ({type(e).__name__}: {e})")
-    for key in ("quick", "device"):
-        if earlier_args.get(key) != getattr(args, key):
-            raise ValueError(f"--resume {path}: its run had {key}={earlier_args.get(key)!r}, this one "
+    # An earlier file without "bound" ran under the fraction (the only bound then).
+    for key, unset in (("quick", None), ("device", None), ("bound", "fraction")):
+        if earlier_args.get(key, unset) != getattr(args, key):
+            raise ValueError(f"--resume {path}: its run had {key}={earlier_args.get(key, unset)!r}, this one "
                              f"{getattr(args, key)!r}: its trials ran other steps")
     for w, res in results.items():
         if not isinstance(res, dict) or not isinstance(res.get("rows"), list) or (
@@ -413,12 +443,13 @@ def driver_text(row, prefix):
 COLUMNS = ((9, "workload"), (10, "allocator"), (10, "0-OOM cap"), (8, "vs best"), (8, "ms free"), (8, "vs best"),
            (11, "ms free st"), (11, "vs best st"), (9, "ms @1.05"), (5, "ooms"), (7, "vs exp"), (12, "ms @1.05 st"),
            (8, "ooms st"), (10, "vs exp st"), (9, "calls st"), (12, "drv/wait st"), (14, "drv/wait @1.05"),
-           (10, "res/alloc"))
+           (10, "res/alloc"), (8, "res/cap"))
 
 
-def table(results: dict) -> str:
+def table(results: dict, bound: str = "fraction") -> str:
     """One line per (workload, allocator): first-pass and steady figures side by side ('-' for a
-    figure the run does not have: one pass, an error, a search not run)."""
+    figure the run does not have: one pass, an error, a search not run). `bound`: what the caps bound
+    (--bound)."""
     def line(cells):
         return " ".join(f"{c:{'<' if i < 2 else '>'}{w}s}" for i, ((w, _), c) in enumerate(zip(COLUMNS, cells)))
 
@@ -438,7 +469,7 @@ def table(results: dict) -> str:
                      fmt(cst, ".1f"), fmt(r.get("capped_steady_ooms"), "d"),
                      fmt(ratio(cst, exp.get("capped_steady_step_ms"))), fmt(calls_per_step(r, "capped"), ".1f"),
                      driver_text(r, "uncapped"), driver_text(r, "capped"),
-                     fmt(r.get("reserved_over_allocated"))]
+                     fmt(r.get("reserved_over_allocated")), fmt(r.get("reserved_over_cap"), ".4f")]
             lines.append(line(cells) + (f"  error: {r['error']}" if r.get("error") else "")
                          + (f"  capped error: {r['capped_error']}" if r.get("capped_error") else ""))
     lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
@@ -448,7 +479,11 @@ def table(results: dict) -> str:
                  "repeat); ms @1.05: at a 1.05x cap (ooms: its OOM steps, per pass), vs exp: / "
                  "expandable_segments'; calls st: device allocs + frees per step of the steady pass at "
                  "1.05x; drv/wait: gpumem's host ms per steady step in driver calls / waiting for the device, "
-                 "uncapped and at 1.05x.")
+                 "uncapped and at 1.05x; res/cap: the highest max reserved / cap of its passing capped runs "
+                 "(above 1: it held more of the device than the cap).")
+    if bound == "device":
+        lines.append("Caps bound the device's memory (--bound device): a ballast outside the allocator left "
+                     "it the cap, after one unmeasured pass over the steps.")
     return "\n".join(lines)
 
 
@@ -488,6 +523,10 @@ def parse_args(argv=None):
     ap.add_argument("--release-slack", type=float, default=None, metavar="S",
                     help="gpumem_hw's release_slack: how far reserved may exceed the live high water "
                          "(default gpumem's, 0.005)")
+    ap.add_argument("--bound", default="fraction", choices=("fraction", "device"),
+                    help="what a cap bounds: fraction (default): torch.cuda.set_per_process_memory_fraction; "
+                         "device: the device's memory itself, a ballast outside every allocator leaving the "
+                         "allocator the cap (bench/pressure_workloads.py; one trial at a time; no rmm)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: each workload's code once, tiny, no allocator or cap (CI)")
@@ -515,6 +554,11 @@ def parse_args(argv=None):
         ap.error("--repeats must be at least 1")
     if args.passes < 1:
         ap.error("--passes must be at least 1")
+    if args.bound == "device" and not args.rmm_auto and "rmm" in args.allocators:
+        ap.error("--bound device: rmm is bounded by its pool's maximum size only; "
+                 "leave it out of --allocators")
+    if args.bound == "device":
+        args.rmm_auto = False  # not added where it imports: see above
     if args.release_slack is not None and "gpumem_hw" not in args.allocators:
         ap.error("--release-slack applies to gpumem_hw, which --allocators does not name")
     if args.release_slack is not None and not 0 <= args.release_slack <= 1:
@@ -548,6 +592,9 @@ def plan(args) -> str:
         lines.append(f"{w}: uncapped alone x{runs}{passes} ({first} first: P); {TIMED_CAP}x P alone x{runs}"
                      f"{passes}; bisection of the 0-OOM cap in [{FLOOR}, 0.9 total / P] to {args.tolerance:g} P, "
                      f"up to {args.jobs} trials at once, 1 pass each")
+    if args.bound == "device":
+        lines.append("caps bound the device's memory (a ballast outside the allocator, after one unmeasured "
+                     "pass; one trial at a time), not set_per_process_memory_fraction")
     lines.append(f"no new round after {args.budget_s:g} s" + ("; --quick: half the steps" if args.quick else ""))
     return "\n".join(lines)
 
@@ -575,14 +622,14 @@ def main(argv=None) -> int:
         print(f"{w}: {time.monotonic() - t0:.0f} s", flush=True)
         # Each workload's figures are out (table and JSON) before the next starts, so a call that the
         # device's time limit cuts short still keeps what it measured.
-        print(table({w: results[w]}), flush=True)
+        print(table({w: results[w]}, args.bound), flush=True)
         kept = {k: v for k, v in vars(args).items() if k != "earlier"}
         doc = dict(args=kept, results=results, trials=runner.log, seconds=time.monotonic() - start)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)
     if len(results) > 1:
-        print(table(results), flush=True)
+        print(table(results, args.bound), flush=True)
     print(json.dumps(dict((w, {r["allocator"]: r.get("lowest_cap") for r in res["rows"]})
                           for w, res in results.items())), flush=True)
     return 0

@@ -1,7 +1,7 @@
 """The workloads of bench/pressure.py and the one-run worker it starts, one process per run.
 
     python bench/pressure_workloads.py WORKLOAD ALLOCATOR [--fraction F] [--stop-on-oom] [--quick]
-                                       [--passes N] [--release-slack S]
+                                       [--passes N] [--release-slack S] [--bound fraction|device]
     python bench/pressure_workloads.py WORKLOAD none --device cpu --tiny     # the code path, on the CPU
 
 Prints one JSON line: OOM steps, step time, torch's peak allocated / reserved bytes, the device's
@@ -44,6 +44,18 @@ step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
 
 --release-slack S (gpumem_hw only) sets gpumem's release_slack: how far reserved may exceed the live
 high water (gpumem's default 0.005).
+
+--bound device --fraction F bounds the device's memory itself instead: the allocator runs uncapped,
+with F * total bytes of the device left to it. The worker runs the step list once first (unmeasured:
+kernels loaded, library handles and workspaces made, none of them the allocator's choice), empties
+the allocator's cache (torch.cuda.empty_cache), then takes all the device's free memory beyond
+F * total minus what the allocator still holds (the model, its optimizer state) with one cuMemAlloc
+of its own (a "ballast", outside every allocator), resets the peaks and runs the measured passes.
+Every allocator then meets the same physical wall: a cap that PyTorch's cudaMallocAsync backend does
+not give, as set_per_process_memory_fraction bounds its live bytes only (torch counts requested
+bytes against the fraction, while the driver's pool under it reserves more: allocfree at 1.0011x
+ran with 1.22x the cap reserved, H100, the 36c944b search). bound_bytes in the JSON is the memory the
+allocator had: what it held plus what the ballast left free.
 """
 from __future__ import annotations
 
@@ -487,6 +499,61 @@ def driver_ms(allocator: str):
     return {k: v["ms"] for k, v in gpumem.driver_time().items()}
 
 
+def ballast_bytes(free: int, held: int, bound: int) -> int:
+    """The bytes a ballast takes so that the allocator, holding `held` bytes of the device, has `bound`
+    in all: the device's `free` bytes beyond bound - held. Raises ValueError where the allocator already
+    holds more than the bound, or the device has less free than the bound leaves it."""
+    if held > bound:
+        raise ValueError(f"the allocator holds {held:,} bytes after the warm-up pass, more than the bound "
+                         f"of {bound:,}")
+    if free < bound - held:
+        raise ValueError(f"the device has {free:,} bytes free, less than the {bound - held:,} the bound "
+                         "leaves the allocator")
+    return free - (bound - held)
+
+
+class Ballast:
+    """Device memory taken outside every allocator (the driver's cuMemAlloc in the current context),
+    so that the allocator under test meets the device's end where the bound says."""
+
+    def __init__(self, nbytes: int):
+        import ctypes
+
+        self._ctypes = ctypes
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self.pointer = ctypes.c_uint64(0)
+        self.nbytes = nbytes
+        if nbytes:
+            rc = self._cuda.cuMemAlloc_v2(ctypes.byref(self.pointer), ctypes.c_size_t(nbytes))
+            if rc != 0:
+                raise RuntimeError(f"the ballast's cuMemAlloc_v2({nbytes:,}) failed: CUDA driver error {rc}")
+
+    def free(self) -> None:
+        if self.pointer.value:
+            self._cuda.cuMemFree_v2(self.pointer)
+            self.pointer = self._ctypes.c_uint64(0)
+
+
+def bound_device(torch, steps: int, step, bound: int) -> dict:
+    """--bound device: one unmeasured pass over the steps, the allocator's cache emptied, then a
+    ballast leaving the allocator `bound` bytes of the device in all, and the peaks reset. Returns the
+    ballast (its "ballast" key, freed by the caller) and the figures of the bound for the JSON."""
+    import gc
+
+    for i in range(steps):
+        step(i)
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    held = torch.cuda.memory_reserved()
+    ballast = Ballast(ballast_bytes(free, held, bound))
+    left = torch.cuda.mem_get_info()[0]
+    torch.cuda.reset_peak_memory_stats()
+    return dict(ballast=ballast, ballast_bytes=ballast.nbytes, held_after_warmup=held,
+                bound_bytes=held + left)
+
+
 def run(args) -> dict:
     global DEVICE
     if args.device == "cpu" and args.allocator != "none":
@@ -505,7 +572,7 @@ def run(args) -> dict:
         total = torch.cuda.mem_get_info()[1]
         if args.allocator == "rmm":
             rmm_resources = rmm_pool(args.fraction, total)
-        elif args.fraction is not None:
+        elif args.fraction is not None and args.bound == "fraction":
             torch.cuda.set_per_process_memory_fraction(args.fraction)
         torch.empty(1, device=DEVICE)
     torch.backends.cudnn.benchmark = False  # algorithm choice (and its workspace) the same every run
@@ -514,6 +581,12 @@ def run(args) -> dict:
         steps = max(warmup + 2, math.ceil(steps / 2))
     sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
     start = min(warmup, steps - 1)  # the first timed step of every pass
+    bound = {}
+    if args.bound == "device" and args.fraction is not None and DEVICE.type == "cuda":
+        try:
+            bound = bound_device(torch, steps, step, int(args.fraction * total))
+        except ValueError as e:  # the bound cannot be set: the run cannot be held to it
+            raise SystemExit(f"--bound device: {e}") from None
     # Per pass: OOM steps, the first one's step, the last one's text, seconds of the timed steps
     # (None: the run stopped at an OOM before or within them), device calls over the timed steps
     # (None: not counted).
@@ -566,6 +639,10 @@ def run(args) -> dict:
     # Each pass's mean step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
     result["pass_step_ms"] = [None if p["seconds"] is None else 1000 * p["seconds"] / timed for p in passes]
     result["release_slack"] = args.release_slack
+    result["bound"] = args.bound
+    if bound:
+        bound.pop("ballast").free()
+        result.update(bound)
     if later and DEVICE.type == "cuda":  # the peaks over every pass: whether repeating the shapes grew them
         result.update({"steady_" + k: v for k, v in memory_peaks(torch, rmm_resources).items()})
     return result
@@ -632,7 +709,12 @@ def parse_args(argv=None):
     ap.add_argument("--release-slack", type=float, default=None,
                     help="gpumem_hw only: how far reserved may exceed the live high water (default: "
                          "gpumem's, 0.005)")
+    ap.add_argument("--bound", default="fraction", choices=("fraction", "device"),
+                    help="how --fraction bounds the run: set_per_process_memory_fraction (default), or "
+                         "device: a ballast leaves the allocator that share of the device (above)")
     args = ap.parse_args(argv)
+    if args.bound == "device" and args.allocator == "rmm":
+        ap.error("--bound device: rmm is bounded by its pool's maximum size (--fraction) only")
     if args.release_slack is not None and args.allocator != "gpumem_hw":
         ap.error("--release-slack applies to gpumem_hw only")
     if args.release_slack is not None and not 0 <= args.release_slack <= 1:

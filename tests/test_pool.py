@@ -49,6 +49,10 @@ def test_randomized_operations_keep_every_invariant(kind, release, seed):
             pool.process_events()
         elif op < 0.9:
             pool.trim()
+        elif op < 0.91:
+            # Memory outside the pool comes and goes (another process): the pool learns the device's
+            # room when a map is refused and forgets it when it retries.
+            device.held_elsewhere = rng.choice([0, rng.randint(0, 4 * GiB - device.used_bytes)])
         elif op < 0.92:
             # A cap between what is live and the whole device.
             active = flat(pool.stats(), "active_bytes")
@@ -205,6 +209,41 @@ def test_lazy_policy_keeps_the_cache_until_memory_runs_short_then_unmaps_holes()
     for p in (keep, tail, x):
         pool.free(p)
     pool.validate()
+
+
+def test_a_refused_map_teaches_the_pool_the_devices_room_and_a_retry_forgets_it():
+    """Memory held outside the pool (another process, a library's cudaMalloc) leaves it less than the
+    device's total. Once the device has refused a map, the pool keeps under what it then had, releasing
+    its cached pages before it maps instead of being refused and emptying its whole cache every time;
+    when the memory outside goes away, the next allocation beyond the learned room still succeeds."""
+    device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
+    device.held_elsewhere = 4 * GiB - 1 * GiB  # 1 GiB left to the pool
+    pool = _C.Pool(device, release="lazy", page_size=2 * MiB)
+    keep = pool.allocate(400 * MiB)
+    hole = pool.allocate(300 * MiB)
+    tail = pool.allocate(200 * MiB)
+    pool.free(hole)
+    # 400 MiB fit nowhere contiguous and the device has 124 MiB left: refused, then the fallback (the
+    # whole cache back to the device, and a retry).
+    a = pool.allocate(400 * MiB)
+    assert pool.stats()["num_alloc_retries"] == 1
+    pool.free(a)
+    pool.free(keep)
+    # 1000 MiB reserved, 200 MiB of it live. 500 MiB at the start of the range need 100 MiB more:
+    # the pool knows it has 1 GiB, so it releases cached pages first, and is not refused.
+    b = pool.allocate(500 * MiB)
+    assert pool.stats()["num_alloc_retries"] == 1
+    assert flat(pool.stats(), "reserved_bytes") <= 1 * GiB
+    # The memory outside goes away: more than the learned room fits, after one retry that asks the
+    # device again.
+    device.held_elsewhere = 0
+    big = pool.allocate(2 * GiB)
+    assert pool.stats()["num_alloc_retries"] == 2 and pool.stats()["num_ooms"] == 0
+    assert flat(pool.stats(), "reserved_bytes") > 2 * GiB
+    for p in (tail, b, big):
+        pool.free(p)
+    pool.validate()
+    assert pool.trim() > 0 and device.used_bytes == 0
 
 
 def test_cap_is_enforced_and_a_cap_below_live_bytes_is_refused():

@@ -189,6 +189,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("seed") = 1)
       .def_property_readonly("faults_injected", &SimulatedDevice::faults_injected)
       .def_property_readonly("used_bytes", &SimulatedDevice::used_bytes)
+      .def_property(
+          "held_elsewhere", &SimulatedDevice::held_elsewhere,
+          [](SimulatedDevice& d, const py::int_& bytes) { d.set_held_elsewhere(to_size(bytes, "held_elsewhere")); },
+          "Bytes of the capacity held outside this device's users (another process, a library's own "
+          "cudaMalloc): maps and segments get only what is left.")
       .def_property_readonly("physical_allocations", &SimulatedDevice::physical_allocations,
                              "Physical allocations made so far (a map of n units counts n, a segment 1).")
       .def_property_readonly("physical_releases", &SimulatedDevice::physical_releases,

@@ -150,6 +150,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
     stats_.num_alloc_retries++;
     release_cached(std::numeric_limits<std::size_t>::max());
     drain_all();
+    if (device_room_) learn_device_room();  // the device may have more room by now: asked again
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
   }
   // Second fallback: the callbacks (gc.collect() from Python) may free blocks; they re-enter free(),

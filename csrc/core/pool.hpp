@@ -393,6 +393,13 @@ class Pool {
     const std::size_t limit = budget_->limit();
     return cap < limit ? cap : limit;
   }
+  // What make_room and the placement keep reserved bytes under: the effective cap, or the device's
+  // room learned when it last refused a map, if lower (pool_release.cpp, learn_device_room).
+  std::size_t bound_locked() const {
+    const std::size_t cap = effective_cap_locked();
+    return device_room_ && device_room_ < cap ? device_room_ : cap;
+  }
+  void learn_device_room();
   // Span events around a map or an unmap of `run` in `region` (pool_map.cpp).
   void notify_mapped_run(const Region* region, PageRun run);
   PageRun notify_unmapping_run(const Region* region, PageRun run);
@@ -435,6 +442,10 @@ class Pool {
   std::shared_ptr<Budget> budget_;  // the limit (set_limit) and the reserved bytes it counts
   bool own_budget_ = false;          // no other pool shares budget_ (validate() checks its count)
   bool growth_allowed_ = true;       // false inside allocate_cached(): make_room() refuses
+  // Reserved bytes plus the device's free bytes when it last refused a map: the most this pool can
+  // hold while other memory on the device stays as it is (0: unknown). Asked again before allocate()'s
+  // retry and by trim() (learn_device_room).
+  std::size_t device_room_ = 0;
   SegmentObserver observer_;
 };
 

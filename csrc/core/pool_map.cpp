@@ -201,6 +201,7 @@ bool Pool::ensure_mapped(Block* block) {
     // The device says no: pages still draining hold memory it will have back; wait for them, oldest
     // first, before giving up.
     while (!upstream_->map(address, bytes, unit)) {
+      learn_device_room();  // the next allocations keep under what the device has (pool_release.cpp)
       if (!reap_waiting()) return false;
     }
     fresh += bytes;

@@ -37,7 +37,7 @@ bool Pool::make_room(std::size_t bytes, const Region* lend_to) {
       static_cast<std::size_t>(static_cast<double>(live_high_water_) * (1.0 + options_.release_slack));
   if (options_.release == ReleasePolicy::kHighWater && reserved() + fresh() > allowed)
     release(reserved() + fresh() - allowed);
-  const std::size_t cap = effective_cap_locked();
+  const std::size_t cap = bound_locked();
   auto over_cap = [&] { return reserved() + fresh() > cap ? reserved() + fresh() - cap : 0; };
   release(over_cap());
   while (over_cap() && reap_waiting()) {
@@ -67,7 +67,7 @@ constexpr double kNearCap = 0.01;
 constexpr double kLendHeadroom = 0.02;
 
 bool Pool::lends_near_cap(std::size_t block_bytes) const {
-  const std::size_t cap = effective_cap_locked();
+  const std::size_t cap = bound_locked();
   const auto live = static_cast<std::size_t>(stats_.active_bytes[kAggregate].current);
   return static_cast<double>(live + block_bytes) <= static_cast<double>(cap) * (1.0 - kLendHeadroom);
 }
@@ -89,21 +89,37 @@ constexpr double kRoomyBound = 0.02;
 constexpr double kSettledAfter = 4.0;
 
 bool Pool::bound_is_roomy() const {
-  if (options_.cap_bytes == 0 && budget_->limit() == Budget::kNoLimit) return false;  // the device bounds it
+  if (options_.cap_bytes == 0 && budget_->limit() == Budget::kNoLimit && device_room_ == 0)
+    return false;  // nothing bounds it but the device's total memory
   const auto high_water = static_cast<double>(live_high_water_);
   return live_high_water_ > 0 &&
-         high_water * (1.0 + kRoomyBound) <= static_cast<double>(effective_cap_locked()) &&
+         high_water * (1.0 + kRoomyBound) <= static_cast<double>(bound_locked()) &&
          static_cast<double>(allocated_since_high_water_rose_) >= kSettledAfter * high_water;
 }
 
 bool Pool::fits_without_release(std::size_t bytes) const {
   if (!growth_allowed_) return false;
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
-  const std::size_t cap = effective_cap_locked();
+  const std::size_t cap = bound_locked();
   if (reserved + bytes > cap - static_cast<std::size_t>(static_cast<double>(cap) * kNearCap)) return false;
   // The high-water allowance is not asked: make_room releases under it as before, whole groups
   // stay the unit there (single pages would multiply the remaps that policy already makes).
   return budget_->fits(bytes);
+}
+
+// The device refused a map: other memory on it (another process, a library's own cudaMalloc, the
+// CUDA context) leaves this pool less than the cap says. What it can hold now, its reserved bytes plus
+// the device's free bytes, becomes a bound like the cap (bound_locked): the next allocations make
+// room under it by releasing cached pages first, and place blocks as near the cap, instead of asking
+// the device, being refused and releasing the whole cache every time. On one H100 with the rest of the
+// device taken (bench/pressure.py --bound device, varlen at 1.05x its peak), that refusal path made a
+// step 56 ms against expandable_segments' 37 ms. The device may have more room later (memory freed
+// outside the pool): allocate() asks it again before its retry, with the whole cache given back, and
+// so does trim(); an allocation fails only where the device itself has no room. Until then a room
+// learned while memory outside was briefly higher only costs remapping under it, never an OOM.
+void Pool::learn_device_room() {
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
+  device_room_ = reserved + upstream_->device_free_bytes();
 }
 
 // Starts draining the whole mapped pages inside a free block, up to `target` bytes: each run of them
@@ -213,6 +229,7 @@ std::size_t Pool::trim() {
   const std::size_t before = stats_.reserved_bytes[kAggregate].current;
   release_cached(std::numeric_limits<std::size_t>::max(), /*rethrow=*/true);
   drain_all(/*rethrow=*/true);
+  if (device_room_) learn_device_room();  // the device's room as it is now
   return before - static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
 }
 

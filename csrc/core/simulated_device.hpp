@@ -3,6 +3,7 @@
 // and it checks the pool in return (double maps, unmapping what was never mapped, foreign frees).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <random>
@@ -29,7 +30,7 @@ class SimulatedDevice : public Upstream {
   std::string name() const override;
   std::size_t page_size() const override { return page_size_; }
   std::size_t device_total_bytes() const override { return capacity_; }
-  std::size_t device_free_bytes() const override { return capacity_ - used_; }
+  std::size_t device_free_bytes() const override { return capacity_ - std::min(capacity_, used_ + elsewhere_); }
 
   std::uintptr_t allocate_segment(std::size_t bytes) override;
   void free_segment(std::uintptr_t address, std::size_t bytes) override;
@@ -72,6 +73,10 @@ class SimulatedDevice : public Upstream {
   void set_fault_plan(const FaultPlan& plan);
   std::uint64_t faults_injected() const { return faults_injected_; }
   std::size_t used_bytes() const { return used_; }
+  // Bytes of the capacity held outside this upstream (another process, a library's own cudaMalloc):
+  // its maps and segments get only what is left. Set at any time; memory already mapped stays.
+  void set_held_elsewhere(std::size_t bytes) { elsewhere_ = bytes; }
+  std::size_t held_elsewhere() const { return elsewhere_; }
   std::uint64_t memory_calls() const { return memory_calls_; }
   // Physical allocations made and released so far (a map of n units counts n, a segment 1): what a
   // real driver pays for per unit, whatever its size (cuMemCreate + cuMemMap + cuMemSetAccess, then
@@ -100,6 +105,7 @@ class SimulatedDevice : public Upstream {
   std::size_t capacity_;
   std::size_t page_size_;
   std::size_t used_ = 0;
+  std::size_t elsewhere_ = 0;  // set_held_elsewhere
   std::uintptr_t next_address_;  // fake, never dereferenced; distinct across simulated devices
   std::map<std::uintptr_t, std::size_t> segments_;
   // Per page of a range: 0 unmapped; the first page of a physical allocation (the `page` of map)

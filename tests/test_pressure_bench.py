@@ -14,7 +14,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import pressure  # noqa: E402  (imports no torch)
-from pressure_workloads import ALLOCATORS, GPUMEM_CONF, WORKLOADS, rmm_figures, steady_figures  # noqa: E402
+from pressure_workloads import (  # noqa: E402
+    ALLOCATORS, GPUMEM_CONF, WORKLOADS, ballast_bytes, rmm_figures, steady_figures)
 
 
 def run(*args, script="pressure.py"):
@@ -47,6 +48,8 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     (["--allocators", "native,gpumem", "--release-slack", "0.03"],
      "--release-slack applies to gpumem_hw, which --allocators does not name"),
     (["--release-slack", "1.5"], "--release-slack must be in [0, 1], got 1.5"),
+    (["--bound", "device", "--allocators", "native,rmm"], "--bound device: rmm is bounded by its pool's"),
+    (["--bound", "sky"], "argument --bound: invalid choice: 'sky'"),
 ])
 def test_bad_arguments_are_refused(args, message):
     r = run("--dry-run", *args)
@@ -68,6 +71,60 @@ def test_the_release_slack_goes_to_gpumem_hw_workers_only():
                 assert cmd[cmd.index("--release-slack") + 1] == "0.03"
     plain = pressure.Runner(pressure.parse_args(["--workloads", "bert", "--allocators", "gpumem_hw"]))
     assert "--release-slack" not in plain.command(pressure.Trial("bert", "gpumem_hw", None, False))
+
+
+def test_the_device_bound_goes_to_capped_workers_one_trial_at_a_time(tmp_path):
+    """--bound device: in the plan, on every capped worker's command line (not the uncapped runs'),
+    never rmm (not even where it imports), and a --resume only from a run under the same bound (a file
+    without "bound" ran under the fraction)."""
+    args = pressure.parse_args(["--workloads", "bert", "--allocators", "native,async,gpumem", "--bound", "device"])
+    assert args.bound == "device" and not args.rmm_auto
+    assert "caps bound the device's memory" in pressure.plan(args)
+    runner = pressure.Runner(args)
+    runner.peak["bert"], runner.total = 1 << 30, 80 << 30
+    for allocator in args.allocators:
+        capped = runner.command(pressure.Trial("bert", allocator, 1.05, stop_on_oom=True))
+        assert capped[capped.index("--bound") + 1] == "device" and "--fraction" in capped
+        assert "--bound" not in runner.command(pressure.Trial("bert", allocator, None, False))
+    plain = pressure.Runner(pressure.parse_args(["--workloads", "bert"]))
+    plain.peak["bert"], plain.total = 1 << 30, 80 << 30
+    assert plain.args.bound == "fraction"
+    assert "--bound" not in plain.command(pressure.Trial("bert", "native", 1.05, True))
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(dict(args=dict(quick=False, device="cuda"), results={})))
+    r = run("--dry-run", "--bound", "device", "--resume", earlier)
+    assert r.returncode == 2 and "its run had bound='fraction', this one 'device'" in r.stderr, r.stderr
+    assert run("--dry-run", "--resume", earlier).returncode == 0
+
+
+def test_the_ballast_leaves_the_allocator_the_bound_or_says_why_it_cannot():
+    GiB = 1 << 30
+    assert ballast_bytes(free=70 * GiB, held=2 * GiB, bound=10 * GiB) == 62 * GiB
+    assert ballast_bytes(free=8 * GiB, held=2 * GiB, bound=10 * GiB) == 0
+    with pytest.raises(ValueError, match="holds 11,811,160,064 bytes after the warm-up pass"):
+        ballast_bytes(free=70 * GiB, held=11 * GiB, bound=10 * GiB)
+    with pytest.raises(ValueError, match="less than the 8,589,934,592 the bound leaves the allocator"):
+        ballast_bytes(free=7 * GiB, held=2 * GiB, bound=10 * GiB)
+
+
+def test_reserved_over_cap_keeps_the_highest_of_the_passing_capped_runs():
+    """res/cap: an allocator whose passing runs held more of the device than the cap shows it (PyTorch's
+    cudaMallocAsync under a fraction); uncapped, failed and erroneous runs do not count."""
+    runner = pressure.Runner(pressure.parse_args(["--workloads", "bert"]))
+    runner.peak["bert"], runner.total = 1000, 100_000
+    row = {}
+    for cap, result in ((None, dict(ooms=0, max_reserved=5000)),
+                        (1.05, dict(ooms=0, max_reserved=1100)),    # 1100 / 1050
+                        (1.01, dict(ooms=0, max_reserved=1111)),    # 1111 / 1010: 1.1, the highest
+                        (1.00, dict(ooms=1, max_reserved=3000)),    # failed
+                        (1.02, dict(ooms=0, error="x", max_reserved=3000))):
+        t = pressure.Trial("bert", "async", cap, cap is not None)
+        t.result = result
+        pressure.note_reserved_over_cap(row, t, runner)
+    assert row["reserved_over_cap"] == pytest.approx(1111 / 1010)
+    line = [x for x in pressure.table({"bert": dict(rows=[dict(row, allocator="async")])}).splitlines()
+            if x.startswith("bert")][0]
+    assert line.split()[-1] == "1.1000"
 
 
 def test_every_workload_runs_tiny_on_the_cpu(tmp_path):
@@ -311,8 +368,8 @@ def test_table_shows_ratios_to_the_best_pytorch_allocator():
         assert f" {a} " in header and f" {b} " in header, header
     assert table_line(text, "moe       gpumem")[2:] == [
         "1.0075", "0.969", "9.1", "1.010", "5.2", "1.040", "9.5", "0", "0.950", "6.4", "0", "0.800", "0.8",
-        "0.00/0.00", "1.23/0.50", "1.010"]
-    assert table_line(text, "moe       native")[-3:-1] == ["-", "-"]  # not gpumem: no driver time
+        "0.00/0.00", "1.23/0.50", "1.010", "-"]  # res/cap: no reserved_over_cap in these rows
+    assert table_line(text, "moe       native")[-4:-2] == ["-", "-"]  # not gpumem: no driver time
     assert table_line(text, "moe       expandable")[10:15] == ["1.000", "8.0", "1", "1.000", "3.5"]
 
 
@@ -326,7 +383,7 @@ def test_table_prints_a_dash_for_figures_a_result_lacks():
     del rows[2]["capped_step_ms"], rows[2]["capped_ooms"]
     text = pressure.table({"moe": dict(rows=rows)})
     assert table_line(text, "moe       gpumem")[2:] == [
-        "1.0075", "0.969", "9.1", "1.010", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "1.010"]
+        "1.0075", "0.969", "9.1", "1.010", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "1.010", "-"]
     assert table_line(text, "moe       native")[2:9] == ["1.2000", "1.154", "10.0", "1.111", "-", "-", "12.0"]
 
 

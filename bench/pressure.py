@@ -217,12 +217,10 @@ class Runner:
         """Runs the trials, as many at once as --jobs and the device's memory allow; a trial that met
         a device short of memory runs again alone."""
         budget = DEVICE_SHARE * self.total
-        # Under --bound device a trial's ballast takes the whole device: one trial at a time.
-        jobs = 1 if self.args.bound == "device" else self.args.jobs
         queue, running, retry = list(trials), [], []
         while queue or running:
             used = sum(self.cap_bytes(t) + CONTEXT_BYTES for t, _ in running)
-            while queue and len(running) < jobs and (
+            while queue and len(running) < self.args.jobs and (
                     not running or used + self.cap_bytes(queue[0]) + CONTEXT_BYTES <= budget):
                 t = queue.pop(0)
                 running.append((t, self._start(t)))
@@ -346,8 +344,7 @@ def search_rounds(workload: str, rows: dict, searches: dict, runner: Runner, arg
         # The largest cap a trial of this round may take, for how many fit on the device at once.
         highest = max(searches[a].bracket()[1] or min(ceiling, 2 * (searches[a].bracket()[0] or 1))
                       for a in active)
-        jobs = 1 if args.bound == "device" else args.jobs
-        room = max(1, min(jobs, int(DEVICE_SHARE * runner.total // (highest * P + CONTEXT_BYTES))))
+        room = max(1, min(args.jobs, int(DEVICE_SHARE * runner.total // (highest * P + CONTEXT_BYTES))))
         trials = [Trial(workload, a, k, True)
                   for a in active for k in searches[a].propose(max(1, room // len(active)))]
         if not trials:
@@ -388,8 +385,7 @@ def resume(workload: str, earlier: dict, runner: Runner, args, deadline: float) 
 def load_earlier(path: str, args) -> dict:
     """--resume's JSON (a --json file of this bench), checked against this run's settings: trials of a
     run with other steps (--quick), on another device or under another --bound do not continue a search.
-    Raises ValueError
-    saying what is wrong."""
+    Raises ValueError saying what is wrong."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -559,6 +555,7 @@ def parse_args(argv=None):
                  "leave it out of --allocators")
     if args.bound == "device":
         args.rmm_auto = False  # not added where it imports: see above
+        args.jobs = 1  # each trial's ballast takes the whole device: one trial at a time
     if args.release_slack is not None and "gpumem_hw" not in args.allocators:
         ap.error("--release-slack applies to gpumem_hw, which --allocators does not name")
     if args.release_slack is not None and not 0 <= args.release_slack <= 1:

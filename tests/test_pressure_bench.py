@@ -77,8 +77,9 @@ def test_the_device_bound_goes_to_capped_workers_one_trial_at_a_time(tmp_path):
     """--bound device: in the plan, on every capped worker's command line (not the uncapped runs'),
     never rmm (not even where it imports), and a --resume only from a run under the same bound (a file
     without "bound" ran under the fraction)."""
-    args = pressure.parse_args(["--workloads", "bert", "--allocators", "native,async,gpumem", "--bound", "device"])
-    assert args.bound == "device" and not args.rmm_auto
+    args = pressure.parse_args(["--workloads", "bert", "--allocators", "native,async,gpumem", "--bound", "device",
+                                "--jobs", "4"])
+    assert args.bound == "device" and not args.rmm_auto and args.jobs == 1
     assert "caps bound the device's memory" in pressure.plan(args)
     runner = pressure.Runner(args)
     runner.peak["bert"], runner.total = 1 << 30, 80 << 30

@@ -15,6 +15,10 @@ waits), as the steady steps of a run; the lowest capacity is always one pass's. 
 the pool with a limit on a full-size device instead of the device's capacity: what a memory fraction
 does on the GPU (bench/pressure.py), where the pool knows the user set a bound and, when it leaves room
 above the settled live high water, remaps whole 8 MiB groups (pool_release.cpp, ``bound_is_roomy``).
+``--bound device`` leaves the pool that much of a full-size device, the rest held outside it (another
+process, a library's own cudaMalloc): nothing tells the pool where the device ends until a map is refused
+(pool_release.cpp, ``learn_device_room``); ``--elsewhere-freed-after K`` gives that memory back to the
+device after pass K, and the passes after it show whether the pool grows into it or keeps remapping.
 
     python bench/remap_at_cap.py                       # bench/traces/*.trace.gz and the bundled traces
     python bench/remap_at_cap.py bench/traces/fbs_bert.trace.gz --release high_water
@@ -22,6 +26,7 @@ above the settled live high water, remaps whole 8 MiB groups (pool_release.cpp, 
     python bench/remap_at_cap.py --device-lag 100      # and the waits for a device running behind
     python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 bench/traces/ckpt.trace.gz
     python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 --bound limit   # as the GPU bench
+    python bench/remap_at_cap.py --device-lag 100 --passes 3 --bound device --elsewhere-freed-after 1
 
 Bytes mapped beyond the uncapped figure are pages given back and mapped again because of the cap:
 each such unit costs driver calls on the GPU (and, when its last use may still be running, a wait).
@@ -36,18 +41,31 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def bound_options(bound: str, nbytes: int, elsewhere_freed_after: int | None = None) -> dict:
+    """replay()'s keywords that leave the pool `nbytes` under `bound`: the simulated device's
+    capacity, a limit on the default device, or the default device with the rest held outside the
+    pool (``device``; that memory goes back after pass `elsewhere_freed_after` when given)."""
+    from gpumem.replay import DEFAULT_CAPACITY
+
+    if bound == "device":
+        return dict(held_elsewhere=DEFAULT_CAPACITY - nbytes, elsewhere_freed_after=elsewhere_freed_after)
+    return {bound: nbytes}
+
+
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
-            passes: int = 1, bound: str = "capacity", release_slack: float | None = None) -> dict:
+            passes: int = 1, bound: str = "capacity", release_slack: float | None = None,
+            elsewhere_freed_after: int | None = None) -> dict:
     from gpumem.replay import min_capacity, replay
 
     policy = dict(release=release, release_slack=release_slack)
     uncapped = replay(trace, device_lag=device_lag, passes=passes, **policy)
     peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, release_slack=release_slack,
-               device_lag=device_lag, passes=passes, bound=bound, peak_live_bytes=peak)
+               device_lag=device_lag, passes=passes, bound=bound, peak_live_bytes=peak,
+               elsewhere_freed_after=elsewhere_freed_after)
     reports = [("uncapped", uncapped)] + [
         (f"x{factor}", replay(trace, device_lag=device_lag, passes=passes, **policy,
-                              **{bound: int(factor * peak)}))
+                              **bound_options(bound, int(factor * peak), elsewhere_freed_after)))
         for factor in factors]
     for key, report in reports:
         row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,
@@ -84,10 +102,15 @@ def main(argv=None) -> int:
                          "per trace and lag (default 0)")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")
-    ap.add_argument("--bound", default="capacity", choices=("capacity", "limit"),
+    ap.add_argument("--bound", default="capacity", choices=("capacity", "limit", "device"),
                     help="what 1.02x and 1.05x (and the lowest 0-OOM bound) set: the simulated device's "
-                         "capacity (default), or a limit on its default size, as "
-                         "set_per_process_memory_fraction sets on a GPU (what bench/pressure.py caps)")
+                         "capacity (default); a limit on its default size, as "
+                         "set_per_process_memory_fraction sets on a GPU (what bench/pressure.py caps); or "
+                         "the default device with the rest held outside the pool, which learns where the "
+                         "device ends only when it refuses a map (bench/pressure.py --bound device)")
+    ap.add_argument("--elsewhere-freed-after", type=int, default=None, metavar="K",
+                    help="--bound device: the memory held outside the pool goes back to the device after "
+                         "pass K of --passes (the 1.02x and 1.05x rows; the pool should grow into it)")
     ap.add_argument("--json", action="store_true",
                     help="one JSON line per trace (and lag) instead of the table")
     args = ap.parse_args(argv)
@@ -100,6 +123,12 @@ def main(argv=None) -> int:
         ap.error(f"--device-lag {args.device_lag}: {min(lags)} is negative")
     if args.passes < 1:
         ap.error(f"--passes {args.passes}: at least 1")
+    if args.elsewhere_freed_after is not None:
+        if args.bound != "device":
+            ap.error("--elsewhere-freed-after applies to --bound device")
+        if not 1 <= args.elsewhere_freed_after < args.passes:
+            ap.error(f"--elsewhere-freed-after {args.elsewhere_freed_after}: a pass from 1 to --passes - 1 "
+                     f"({args.passes - 1})")
     if args.release_slack is not None and args.release != "high_water":
         ap.error("--release-slack applies to --release high_water")
     if args.release_slack is not None and not 0 <= args.release_slack <= 1:
@@ -114,12 +143,12 @@ def main(argv=None) -> int:
               f"{'units: uncapped':>15s} {'1.02x':>6s} {'1.05x':>6s}  {'driver ms: 1.02x':>16s} "
               f"{'1.05x':>6s}  {'OOMs':>4s}  "
               + (f"{'waits (ops): 1.02x':>18s} {'1.05x':>11s}  " if lagged else "")
-              + ("min capacity" if args.bound == "capacity" else "min limit"))
+              + {"capacity": "min capacity", "limit": "min limit", "device": "min room"}[args.bound])
     for trace in traces:
         for lag in lags:
             try:
                 row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound,
-                              release_slack=args.release_slack)
+                              release_slack=args.release_slack, elsewhere_freed_after=args.elsewhere_freed_after)
             except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
                 print(f"{trace}: {e}", file=sys.stderr)
                 break

@@ -253,6 +253,34 @@ def test_remap_at_cap_under_a_limit_remaps_whole_groups_once_the_pool_has_settle
     assert 1.0 < limit["min_capacity"] < 1.02
 
 
+def test_remap_at_cap_with_memory_held_outside_the_pool(tmp_path):
+    """--bound device: 1.02x and 1.05x leave the pool that much of a full-size device, the rest held
+    outside it; no OOM, and the table names its last column "min room". --elsewhere-freed-after 1: that
+    memory goes back after the first pass, and the third maps nothing at 1.05x (the pool grows into the
+    room instead of remapping under what it had learned); the option is refused without --bound device
+    or outside the passes."""
+    trace = BENCH / "traces" / "bert.trace.gz"
+    rows = {}
+    for extra in ([], ["--elsewhere-freed-after", "1"]):
+        r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "100", "--passes", "3", "--bound",
+                 "device", *extra, trace], cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        (rows[bool(extra)],) = [json.loads(line) for line in r.stdout.splitlines()]
+    held, freed = rows[False], rows[True]
+    assert held["bound"] == "device" and held["elsewhere_freed_after"] is None
+    assert held["x1.05"]["ooms"] == 0 and held["x1.05"]["physical_units"] > 0
+    assert freed["elsewhere_freed_after"] == 1 and freed["x1.05"]["ooms"] == 0
+    assert freed["x1.05"]["mapped_bytes"] == 0 and freed["x1.05"]["driver_ms"] == 0
+    assert 1.0 < held["min_capacity"] < 1.02
+    table = run([BENCH / "remap_at_cap.py", "--bound", "device", trace], cwd=tmp_path)
+    assert table.returncode == 0 and table.stdout.splitlines()[0].endswith("min room")
+    for bad, said in ((["--elsewhere-freed-after", "1", "--passes", "3"], "applies to --bound device"),
+                      (["--bound", "device", "--elsewhere-freed-after", "3", "--passes", "3"],
+                       "a pass from 1 to --passes - 1 (2)")):
+        r = run([BENCH / "remap_at_cap.py", *bad, trace], cwd=tmp_path)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_remap_at_cap_takes_high_waters_slack(tmp_path):
     """--release high_water --release-slack S: the replays run with that slack (fbs_bert's uncapped
     reserved / live bytes stay within it, where lazy keeps 1.32x); the slack without high_water, or

@@ -151,12 +151,14 @@ def test_min_capacity_by_limit_bisects_the_pools_limit_on_a_full_size_device():
 def test_min_capacity_refuses_what_it_chooses_itself():
     from gpumem.replay import min_capacity
 
-    with pytest.raises(ValueError, match="bound must be 'capacity' or 'limit'"):
+    with pytest.raises(ValueError, match="bound must be 'capacity', 'limit' or 'device'"):
         min_capacity(bundled_traces()[1], bound="fraction")
     with pytest.raises(ValueError, match="tolerance"):
         min_capacity(bundled_traces()[1], tolerance=0)
     with pytest.raises(ValueError, match="chooses the capacity"):
         min_capacity(bundled_traces()[1], capacity=1 << 30)
+    with pytest.raises(ValueError, match="chooses the capacity"):
+        min_capacity(bundled_traces()[1], bound="device", held_elsewhere=1 << 30)
 
 
 def test_cli_min_capacity_table_json_and_refusal():
@@ -295,6 +297,37 @@ def test_later_passes_give_the_steady_state_at_the_cap():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="passes"):
             gpumem.replay(traces / "varlen.trace.gz", passes=bad)
+
+
+def test_memory_held_outside_the_pool_bounds_it_and_when_it_goes_the_pool_grows_into_the_room():
+    """held_elsewhere: the rest of the device is taken by memory outside the pool, which learns where the
+    device ends only when a map is refused. BERT inference at 1.05x its peak live bytes then remaps
+    every later pass, as under a limit of 1.05x; once that memory goes back (elsewhere_freed_after=1),
+    the pool asks the device again when the room it learned would make it release cached pages, and
+    grows instead: the third pass maps nothing. (Before the pool asked again, it kept remapping under
+    the room it had learned: the same units every pass, freed memory or not.) The lowest room with 0
+    OOMs (bound="device") is within 2% of the peak, as the lowest limit is."""
+    from gpumem.replay import DEFAULT_CAPACITY, min_capacity
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "traces" / "bert.trace.gz"
+    peak = gpumem.replay(path).peak_live_bytes
+    outside = DEFAULT_CAPACITY - int(1.05 * peak)
+    held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3)
+    limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3)
+    assert held.ooms == 0 and held.peak_reserved_bytes <= int(1.05 * peak)
+    assert held.physical_units > 0 and held.driver_ms > 0
+    assert (held.physical_units, held.waits) == (limited.physical_units, limited.waits)
+    freed = gpumem.replay(path, held_elsewhere=outside, elsewhere_freed_after=1, device_lag=100, passes=3)
+    assert freed.ooms == 0 and freed.peak_reserved_bytes > int(1.05 * peak)
+    assert freed.mapped_bytes == 0 and freed.physical_units == 0 and freed.driver_ms == 0
+    m = min_capacity(path, bound="device", device_lag=100)
+    assert 1.0 <= m.failed_below < m.ratio <= 1.02
+    for bad in (-1, True, DEFAULT_CAPACITY + 1, 1.5):
+        with pytest.raises(ValueError, match="held_elsewhere"):
+            gpumem.replay(path, held_elsewhere=bad)
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="elsewhere_freed_after"):
+            gpumem.replay(path, held_elsewhere=outside, elsewhere_freed_after=bad, passes=3)
 
 
 def test_cli_passes_reports_the_last_pass_and_refuses_fewer_than_one(tmp_path):

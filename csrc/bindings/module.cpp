@@ -182,11 +182,12 @@ PYBIND11_MODULE(_C, m) {
            "Marks all work queued so far on `stream` as done.")
       .def("complete_all", &SimulatedDevice::complete_all)
       .def("set_fault_plan",
-           [](SimulatedDevice& d, std::uint64_t every, double probability, bool fail_unmap, std::uint64_t seed) {
-             d.set_fault_plan(FaultPlan{every, probability, fail_unmap, seed});
+           [](SimulatedDevice& d, std::uint64_t every, double probability, bool fail_unmap, std::uint64_t seed,
+              bool fail_free_query) {
+             d.set_fault_plan(FaultPlan{every, probability, fail_unmap, seed, fail_free_query});
            },
            py::arg("fail_every") = 0, py::arg("fail_probability") = 0.0, py::arg("fail_unmap") = false,
-           py::arg("seed") = 1)
+           py::arg("seed") = 1, py::arg("fail_free_query") = false)
       .def_property_readonly("faults_injected", &SimulatedDevice::faults_injected)
       .def_property_readonly("used_bytes", &SimulatedDevice::used_bytes)
       .def_property(

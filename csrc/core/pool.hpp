@@ -388,6 +388,7 @@ class Pool {
   std::size_t largest_free_block_locked() const;
   static std::size_t backed_bytes(const Block* block);        // bytes of a free block on mapped pages
   static std::size_t longest_backed_run(const Block* block);  // longest such run without a gap
+  std::size_t reserved_locked() const { return static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current); }
   std::size_t effective_cap_locked() const {
     const std::size_t cap = options_.cap_bytes ? options_.cap_bytes : upstream_->device_total_bytes();
     const std::size_t limit = budget_->limit();
@@ -443,8 +444,9 @@ class Pool {
   bool own_budget_ = false;          // no other pool shares budget_ (validate() checks its count)
   bool growth_allowed_ = true;       // false inside allocate_cached(): make_room() refuses
   // Reserved bytes plus the device's free bytes when it last refused a map: the most this pool can
-  // hold while other memory on the device stays as it is (0: unknown). Asked again before allocate()'s
-  // retry and by trim() (learn_device_room).
+  // hold while other memory on the device stays as it is (0: unknown). Asked again whenever it would
+  // make a block release cached pages (ensure_mapped), before allocate()'s retry and by trim()
+  // (learn_device_room).
   std::size_t device_room_ = 0;
   SegmentObserver observer_;
 };

@@ -151,6 +151,11 @@ bool Pool::ensure_mapped(Block* block) {
   const PageRun touched = pages.touched(block->address, block->size);
   const std::size_t missing = pages.count_unmapped(touched);
   if (missing == 0) return true;
+  const PageRun groups = pages.widened(touched);
+  // A room the device taught the pool earlier may have grown since (memory outside it freed): asked
+  // again before it makes this block release cached pages. Here, before any unit is kept, the
+  // device's free bytes and the reserved ones are all the memory the pool can have.
+  if (device_room_ && reserved_locked() + pages.bytes_of(groups) > device_room_) learn_device_room();
   KeepReleasedUnits keep(*upstream_);
   // Room is made up front for what the draining pages of the region cannot back, those make_room
   // starts included (their unit sizes may not match: then map_run makes room for the rest as it
@@ -164,7 +169,6 @@ bool Pool::ensure_mapped(Block* block) {
     room = fresh + bytes - std::min(bytes, lendable);
     return true;
   };
-  const PageRun groups = pages.widened(touched);
   const std::size_t group = pages.group();
   bool whole_groups = false;
   if (group > 1) {

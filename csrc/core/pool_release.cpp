@@ -25,7 +25,7 @@ namespace gpumem {
 bool Pool::make_room(std::size_t bytes, const Region* lend_to) {
   if (!growth_allowed_) return false;
   if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
-  auto reserved = [&] { return static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current); };
+  auto reserved = [&] { return reserved_locked(); };
   auto lendable = [&] { return lend_to && !draining_.empty() ? lendable_bytes(lend_to) : 0; };
   auto fresh = [&] { return bytes - std::min(bytes, lendable()); };  // what needs new memory
   // Releases what is missing beyond the pages already draining that will go back.
@@ -99,7 +99,7 @@ bool Pool::bound_is_roomy() const {
 
 bool Pool::fits_without_release(std::size_t bytes) const {
   if (!growth_allowed_) return false;
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
+  const std::size_t reserved = reserved_locked();
   const std::size_t cap = bound_locked();
   if (reserved + bytes > cap - static_cast<std::size_t>(static_cast<double>(cap) * kNearCap)) return false;
   // The high-water allowance is not asked: make_room releases under it as before, whole groups
@@ -114,12 +114,19 @@ bool Pool::fits_without_release(std::size_t bytes) const {
 // the device, being refused and releasing the whole cache every time. On one H100 with the rest of the
 // device taken (bench/pressure.py --bound device, varlen at 1.05x its peak), that refusal path made a
 // step 56 ms against expandable_segments' 37 ms. The device may have more room later (memory freed
-// outside the pool): allocate() asks it again before its retry, with the whole cache given back, and
-// so does trim(); an allocation fails only where the device itself has no room. Until then a room
-// learned while memory outside was briefly higher only costs remapping under it, never an OOM.
+// outside the pool): it is asked again whenever the learned room would make a block release cached
+// pages (ensure_mapped), before allocate()'s retry (with the whole cache given back) and by trim(), so
+// the pool grows again as soon as the memory outside goes, and an allocation fails only where the
+// device itself has no room. Learning is an optimisation: if the device cannot say (a driver error),
+// the room known before stays, and the allocation goes on.
 void Pool::learn_device_room() {
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
-  device_room_ = reserved + upstream_->device_free_bytes();
+  std::size_t free_bytes = 0;
+  try {
+    free_bytes = upstream_->device_free_bytes();
+  } catch (const UpstreamError&) {
+    return;
+  }
+  device_room_ = reserved_locked() + free_bytes;
 }
 
 // Starts draining the whole mapped pages inside a free block, up to `target` bytes: each run of them

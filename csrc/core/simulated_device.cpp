@@ -38,6 +38,11 @@ bool SimulatedDevice::inject_fault() {
   return fail;
 }
 
+std::size_t SimulatedDevice::device_free_bytes() const {
+  if (faults_.fail_free_query) throw UpstreamError("gpumem: simulated driver error asking for free memory");
+  return free_bytes();
+}
+
 void SimulatedDevice::set_fault_plan(const FaultPlan& plan) {
   faults_ = plan;
   rng_.seed(plan.seed);
@@ -48,7 +53,7 @@ std::uintptr_t SimulatedDevice::allocate_segment(std::size_t bytes) {
   if (bytes == 0 || bytes % page_size_ != 0)
     throw std::logic_error("simulated device: segment size " + std::to_string(bytes) +
                            " is not a positive multiple of the page size");
-  if (inject_fault() || bytes > device_free_bytes()) return 0;
+  if (inject_fault() || bytes > free_bytes()) return 0;
   std::uintptr_t address = next_address_;
   next_address_ += bytes;
   segments_[address] = bytes;
@@ -113,10 +118,10 @@ bool SimulatedDevice::map(std::uintptr_t address, std::size_t bytes, std::size_t
   // Kept units of this size are mapped again; the rest are new physical allocations. Short of room,
   // the device releases what is kept first, as the CUDA upstream does.
   std::uint64_t reused = std::min<std::uint64_t>(kept_[page], bytes / page);
-  if (bytes - reused * page > device_free_bytes()) {
+  if (bytes - reused * page > free_bytes()) {
     release_kept();
     reused = 0;
-    if (bytes > device_free_bytes()) return false;
+    if (bytes > free_bytes()) return false;
   }
   kept_[page] -= reused;
   const std::size_t fresh = bytes - reused * page;

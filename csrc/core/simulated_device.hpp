@@ -20,6 +20,7 @@ struct FaultPlan {
   double fail_probability = 0.0;     // fail each memory call with this probability
   bool fail_unmap = false;           // unmap / free_segment throw UpstreamError instead of releasing
   std::uint64_t seed = 1;
+  bool fail_free_query = false;      // device_free_bytes throws UpstreamError (cuMemGetInfo failing)
 };
 
 class SimulatedDevice : public Upstream {
@@ -30,7 +31,7 @@ class SimulatedDevice : public Upstream {
   std::string name() const override;
   std::size_t page_size() const override { return page_size_; }
   std::size_t device_total_bytes() const override { return capacity_; }
-  std::size_t device_free_bytes() const override { return capacity_ - std::min(capacity_, used_ + elsewhere_); }
+  std::size_t device_free_bytes() const override;
 
   std::uintptr_t allocate_segment(std::size_t bytes) override;
   void free_segment(std::uintptr_t address, std::size_t bytes) override;
@@ -156,6 +157,7 @@ class SimulatedDevice : public Upstream {
   std::uint64_t next_shared_id_ = 1;
   std::uint64_t aliased_units_ = 0;
   void release_kept();
+  std::size_t free_bytes() const { return capacity_ - std::min(capacity_, used_ + elsewhere_); }
   std::uint64_t faults_injected_ = 0;
 };
 

@@ -98,6 +98,8 @@ def replay(
     limit: Optional[int] = None,
     device_lag: int = 0,
     passes: int = 1,
+    held_elsewhere: int = 0,
+    elsewhere_freed_after: Optional[int] = None,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -110,17 +112,30 @@ def replay(
     behind the host), and the report counts the ``waits`` the pool made for it. ``passes`` replays the trace
     that many times in the same pool, as later epochs run the same steps (allocations the trace never frees
     are made once); the report's driver figures are then the last pass's, what a step costs once its shapes
-    repeat (``ReplayReport.passes``). Raises ``ValueError`` with ``file:line`` for a malformed trace.
+    repeat (``ReplayReport.passes``). ``held_elsewhere`` bytes of the device are held outside the pool
+    (another process, a library's own ``cudaMalloc``): the pool meets the device's end without a cap or
+    a limit telling it where that is, as on a shared GPU (``bench/pressure.py --bound device``); with
+    ``elsewhere_freed_after=K`` that memory goes back to the device after the K-th pass.
+    Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
         raise ValueError(f"device_lag must be a whole number of operations >= 0, got {device_lag!r}")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be a whole number >= 1, got {passes!r}")
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
+    if isinstance(held_elsewhere, bool) or not isinstance(held_elsewhere, int) or not 0 <= held_elsewhere <= capacity:
+        raise ValueError(f"held_elsewhere must be a whole number of bytes in [0, capacity {capacity}], "
+                         f"got {held_elsewhere!r}")
+    if elsewhere_freed_after is not None and not (
+            isinstance(elsewhere_freed_after, int) and not isinstance(elsewhere_freed_after, bool)
+            and 1 <= elsewhere_freed_after < passes):
+        raise ValueError(f"elsewhere_freed_after must be a pass from 1 to passes - 1 ({passes - 1}), "
+                         f"got {elsewhere_freed_after!r}")
     page_size = _C.DEFAULT_PAGE_SIZE if page_size is None else page_size
     loaded = _load(Path(trace))
     device = _C.SimulatedDevice(upstream, capacity)  # CUDA's 2 MiB granularity
     device.lag = device_lag
+    device.held_elsewhere = held_elsewhere
     options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
     pool = _C.Pool(device, release=release, page_size=page_size, **options)
     if limit is not None:
@@ -129,7 +144,9 @@ def replay(
     result = _C.replay(loaded, pool, progress, clock)
     ooms, first_oom = result["ooms"], result["first_oom"]
     counted: Tuple[int, ...] = (0,) * 7  # what the passes before the last one made, off the report
-    for _ in range(passes - 1):
+    for done in range(1, passes):
+        if done == elsewhere_freed_after:
+            device.held_elsewhere = 0
         counted = _device_counters(pool, device)
         again = _C.replay(loaded, pool, None, clock, again=True)
         ooms += again["ooms"]
@@ -199,7 +216,9 @@ def min_capacity(
     With ``bound="limit"`` the device keeps its default size and the bound is the pool's limit instead
     (what ``set_per_process_memory_fraction`` sets on a GPU, and what the GPU pressure bench bisects);
     the pool treats the two alike except where it asks whether the user set a bound (a cap or a
-    limit: ``capacity_bytes`` is then the limit found).
+    limit: ``capacity_bytes`` is then the limit found). With ``bound="device"`` the rest of the
+    default device is held outside the pool (``replay``'s ``held_elsewhere``): the pool learns where
+    the device ends only when it refuses a map, as on a GPU shared with other memory.
 
     Each step is a fresh replay (``options`` are ``replay``'s: upstream, page_size, release, ...) on a
     device of that capacity; a capped PyTorch run stops at its first OOM, so any OOM fails the step.
@@ -210,11 +229,11 @@ def min_capacity(
     """
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
-    if bound not in ("capacity", "limit"):
-        raise ValueError(f"bound must be 'capacity' or 'limit', got {bound!r}")
-    if "capacity" in options or "limit" in options or "progress" in options:
-        raise ValueError("min_capacity chooses the capacity itself: pass neither capacity, limit "
-                         "nor progress")
+    if bound not in ("capacity", "limit", "device"):
+        raise ValueError(f"bound must be 'capacity', 'limit' or 'device', got {bound!r}")
+    if {"capacity", "limit", "progress", "held_elsewhere"} & set(options):
+        raise ValueError("min_capacity chooses the capacity itself: pass neither capacity, limit, "
+                         "held_elsewhere nor progress")
     base = replay(trace, **options)
     if base.ooms:
         raise ValueError(f"{trace}: {base.ooms} OOMs even on the default {DEFAULT_CAPACITY >> 30} GiB device")
@@ -225,8 +244,10 @@ def min_capacity(
         if capacity not in passed:
             if bound == "capacity":
                 report = replay(trace, capacity=capacity, **options)
-            else:
+            elif bound == "limit":
                 report = replay(trace, limit=capacity, **options)
+            else:
+                report = replay(trace, held_elsewhere=DEFAULT_CAPACITY - capacity, **options)
             passed[capacity] = report.ooms == 0
         return passed[capacity]
 

@@ -123,7 +123,8 @@ def replay(
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be a whole number >= 1, got {passes!r}")
     capacity = DEFAULT_CAPACITY if capacity is None else capacity
-    if isinstance(held_elsewhere, bool) or not isinstance(held_elsewhere, int) or not 0 <= held_elsewhere <= capacity:
+    if (isinstance(held_elsewhere, bool) or not isinstance(held_elsewhere, int)
+            or not 0 <= held_elsewhere <= capacity):
         raise ValueError(f"held_elsewhere must be a whole number of bytes in [0, capacity {capacity}], "
                          f"got {held_elsewhere!r}")
     if elsewhere_freed_after is not None and not (

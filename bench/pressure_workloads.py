@@ -55,7 +55,9 @@ Every allocator then meets the same physical wall: a cap that PyTorch's cudaMall
 not give, as set_per_process_memory_fraction bounds its live bytes only (torch counts requested
 bytes against the fraction, while the driver's pool under it reserves more: allocfree at 1.0011x
 ran with 1.22x the cap reserved, H100, the 36c944b search). bound_bytes in the JSON is the memory the
-allocator had: what it held plus what the ballast left free.
+allocator had: what it held plus what the ballast left free. --ballast-freed-after K gives the ballast
+back after pass K: memory outside the allocator freed mid-run, which it may then use (pass_step_ms and
+pass_driver_ms, gpumem's driver time per step of each pass, show whether it stops remapping).
 """
 from __future__ import annotations
 
@@ -593,7 +595,9 @@ def run(args) -> dict:
     passes: list = []
     peaks: dict = {}
     device_short = False
-    for _ in range(args.passes):
+    for done in range(args.passes):
+        if bound and done and done == args.ballast_freed_after:
+            bound["ballast"].free()  # the memory outside goes: can the allocator use it again?
         ooms, first_oom, oom_text, t0, calls0, driver0, stopped = 0, None, "", None, None, None, False
         for i in range(steps):
             if i == start:
@@ -638,6 +642,10 @@ def run(args) -> dict:
     result.update(steady_figures(later, args.passes, timed))
     # Each pass's mean step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
     result["pass_step_ms"] = [None if p["seconds"] is None else 1000 * p["seconds"] / timed for p in passes]
+    # And gpumem's host time in driver calls per timed step of each pass (None for other allocators).
+    result["pass_driver_ms"] = [None if not p.get("driver") else
+                                sum(ms for k, ms in p["driver"].items() if k != "wait") / timed for p in passes]
+    result["ballast_freed_after"] = args.ballast_freed_after
     result["release_slack"] = args.release_slack
     result["bound"] = args.bound
     if bound:
@@ -712,7 +720,14 @@ def parse_args(argv=None):
     ap.add_argument("--bound", default="fraction", choices=("fraction", "device"),
                     help="how --fraction bounds the run: set_per_process_memory_fraction (default), or "
                          "device: a ballast leaves the allocator that share of the device (above)")
+    ap.add_argument("--ballast-freed-after", type=int, default=None, metavar="K",
+                    help="--bound device: the ballast goes back to the device after pass K of --passes, as "
+                         "memory outside the allocator freed mid-run (does the allocator use it again?)")
     args = ap.parse_args(argv)
+    if args.ballast_freed_after is not None and (
+            args.bound != "device" or not 1 <= args.ballast_freed_after < args.passes):
+        ap.error("--ballast-freed-after K needs --bound device and 1 <= K < --passes, got "
+                 f"{args.ballast_freed_after} with --bound {args.bound} --passes {args.passes}")
     if args.bound == "device" and args.allocator == "rmm":
         ap.error("--bound device: rmm is bounded by its pool's maximum size (--fraction) only")
     if args.release_slack is not None and args.allocator != "gpumem_hw":

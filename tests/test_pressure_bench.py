@@ -194,6 +194,12 @@ def test_each_pass_has_its_own_step_time_and_the_slack_is_checked():
     assert per_pass[0] == pytest.approx(three["step_ms"])
     assert three["steady_step_ms"] == pytest.approx(sum(per_pass[1:]) / 2)
     assert three["release_slack"] is None
+    assert three["pass_driver_ms"] == [None, None, None] and three["ballast_freed_after"] is None
+    for args in (["--ballast-freed-after", "1", "--passes", "3"],  # no --bound device
+                 ["--bound", "device", "--fraction", "0.5", "--ballast-freed-after", "3", "--passes", "3"]):
+        r = run("allocfree", "none", "--device", "cpu", "--tiny", *args, script="pressure_workloads.py")
+        assert r.returncode == 2 and "--ballast-freed-after K needs --bound device and 1 <= K < --passes" \
+            in r.stderr, (args, r.stderr)
     only_hw = "--release-slack applies to gpumem_hw only"
     for args, message in ((["none", "--release-slack", "0.03"], only_hw),
                           (["gpumem", "--release-slack", "0.03"], only_hw),

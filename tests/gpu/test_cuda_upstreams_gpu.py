@@ -169,3 +169,71 @@ def test_a_block_maps_from_pages_still_draining_on_its_stream_in_stream_order(to
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     assert upstream.free_bytes >= free_before + 64 * MiB - 4 * MiB, "the memory did not go back"
+
+
+class OutsideMemory:
+    """Device memory taken outside the pool with the driver's own cuMemAlloc (another library's
+    allocation), in the current context."""
+
+    def __init__(self, nbytes):
+        import ctypes
+
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self._ptr = ctypes.c_uint64(0)
+        rc = self._cuda.cuMemAlloc_v2(ctypes.byref(self._ptr), ctypes.c_size_t(nbytes))
+        assert rc == 0, f"cuMemAlloc_v2({nbytes}) failed: {rc}"
+
+    def free(self):
+        if self._ptr.value:
+            assert self._cuda.cuMemFree_v2(self._ptr) == 0
+            self._ptr.value = 0
+
+
+@pytest.mark.gpu
+def test_the_pool_learns_the_devices_room_from_a_refusal_and_grows_again_when_memory_outside_goes(torch_cuda):
+    """Memory held outside the pool leaves it 1 GiB of the device. A refused map teaches the pool that
+    room (one retry, the cache released once); the next allocation that needs room releases cached
+    pages under it instead of being refused (no second retry). When the memory outside is freed, the
+    pool asks the device again before the learned room would make it release anything: 2 GiB more
+    fit with no retry and no cached page given back. The data of every block survives."""
+    torch = torch_cuda
+    if not _C.cuda_vmm_supported(0):
+        pytest.skip("device without virtual memory management")
+    GiB = 1 << 30
+    upstream = _C.cuda_upstream("vmm", 0)
+    pool = _C.Pool(upstream, release="lazy", page_size=2 * MiB)
+    warm = torch.ones(1024, device="cuda")
+    assert torch.all(warm.fill_(2.0) == 2.0).item()
+    torch.cuda.synchronize()
+    outside = OutsideMemory(upstream.free_bytes - 1 * GiB)
+    try:
+        keep = pool.allocate(400 * MiB)
+        hole = pool.allocate(300 * MiB)
+        tail = pool.allocate(200 * MiB)
+        view(tail, 200 * MiB).fill_(7.0)
+        pool.free(hole)
+        a = pool.allocate(400 * MiB)  # fits nowhere mapped, the device has ~124 MiB left: refused, retried
+        assert pool.stats()["num_alloc_retries"] == 1
+        pool.free(a)
+        pool.free(keep)
+        b = pool.allocate(500 * MiB)  # the learned room: cached pages released first, no refusal
+        assert pool.stats()["num_alloc_retries"] == 1 and pool.stats()["num_ooms"] == 0
+        view(b, 500 * MiB).fill_(3.0)
+        released = pool.stats()["reserved_bytes"]["all"]["freed"]
+        outside.free()
+        big = pool.allocate(2 * GiB)
+        stats = pool.stats()
+        assert stats["num_alloc_retries"] == 1 and stats["num_ooms"] == 0
+        assert stats["reserved_bytes"]["all"]["freed"] == released
+        view(big, 2 * GiB).fill_(5.0)
+        torch.cuda.synchronize()
+        assert torch.all(view(tail, 200 * MiB) == 7.0).item()
+        assert torch.all(view(b, 500 * MiB) == 3.0).item()
+        assert torch.all(view(big, 2 * GiB) == 5.0).item()
+        for p in (tail, b, big):
+            pool.free(p)
+        pool.validate()
+        torch.cuda.synchronize()
+        assert pool.trim() > 0 and pool.stats()["reserved_bytes"]["all"]["current"] == 0
+    finally:
+        outside.free()

@@ -400,7 +400,8 @@ class Pool {
     const std::size_t cap = effective_cap_locked();
     return device_room_ && device_room_ < cap ? device_room_ : cap;
   }
-  void learn_device_room();
+  void learn_device_room();         // the room := reserved + the device's free bytes (pool_release.cpp)
+  void ask_device_for_more_room();  // the room grows if memory outside was freed (pool_release.cpp)
   // Span events around a map or an unmap of `run` in `region` (pool_map.cpp).
   void notify_mapped_run(const Region* region, PageRun run);
   PageRun notify_unmapping_run(const Region* region, PageRun run);
@@ -444,9 +445,8 @@ class Pool {
   bool own_budget_ = false;          // no other pool shares budget_ (validate() checks its count)
   bool growth_allowed_ = true;       // false inside allocate_cached(): make_room() refuses
   // Reserved bytes plus the device's free bytes when it last refused a map: the most this pool can
-  // hold while other memory on the device stays as it is (0: unknown). Asked again whenever it would
-  // make a block release cached pages (ensure_mapped), before allocate()'s retry and by trim()
-  // (learn_device_room).
+  // hold while other memory on the device stays as it is (0: unknown). Learned again before
+  // allocate()'s retry and by trim(), grown when memory outside is freed (pool_release.cpp).
   std::size_t device_room_ = 0;
   SegmentObserver observer_;
 };

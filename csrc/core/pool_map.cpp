@@ -153,9 +153,8 @@ bool Pool::ensure_mapped(Block* block) {
   if (missing == 0) return true;
   const PageRun groups = pages.widened(touched);
   // A room the device taught the pool earlier may have grown since (memory outside it freed): asked
-  // again before it makes this block release cached pages. Here, before any unit is kept, the
-  // device's free bytes and the reserved ones are all the memory the pool can have.
-  if (device_room_ && reserved_locked() + pages.bytes_of(groups) > device_room_) learn_device_room();
+  // again before it makes this block release cached pages (before any unit is kept for the map).
+  if (device_room_ && reserved_locked() + pages.bytes_of(groups) > device_room_) ask_device_for_more_room();
   KeepReleasedUnits keep(*upstream_);
   // Room is made up front for what the draining pages of the region cannot back, those make_room
   // starts included (their unit sizes may not match: then map_run makes room for the rest as it

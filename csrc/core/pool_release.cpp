@@ -113,12 +113,9 @@ bool Pool::fits_without_release(std::size_t bytes) const {
 // room under it by releasing cached pages first, and place blocks as near the cap, instead of asking
 // the device, being refused and releasing the whole cache every time. On one H100 with the rest of the
 // device taken (bench/pressure.py --bound device, varlen at 1.05x its peak), that refusal path made a
-// step 56 ms against expandable_segments' 37 ms. The device may have more room later (memory freed
-// outside the pool): it is asked again whenever the learned room would make a block release cached
-// pages (ensure_mapped), before allocate()'s retry (with the whole cache given back) and by trim(), so
-// the pool grows again as soon as the memory outside goes, and an allocation fails only where the
-// device itself has no room. Learning is an optimisation: if the device cannot say (a driver error),
-// the room known before stays, and the allocation goes on.
+// step 56 ms against expandable_segments' 37 ms. It is learned again before allocate()'s retry (with
+// the whole cache given back) and by trim(), so an allocation fails only where the device itself has
+// no room. A driver error while asking keeps the room known before: learning is an optimisation.
 void Pool::learn_device_room() {
   std::size_t free_bytes = 0;
   try {
@@ -127,6 +124,27 @@ void Pool::learn_device_room() {
     return;
   }
   device_room_ = reserved_locked() + free_bytes;
+}
+
+// Memory outside the pool may have been freed since the room was learned: before the room makes a
+// block release cached pages (ensure_mapped), the device is asked again, and the room grows to reserved
+// + its free bytes less kDeviceRoomMargin, never shrinks (only a refusal says there is less). The margin
+// keeps the pool off the device's last bytes, which the driver may not give: on an H100 maps were
+// refused with 2-8 MiB reported free, and a room raised to the full sum there made the pool run into
+// refusals (each a wait or a retry that gives the whole cache back): ckpt at 1.05x of the device took
+// 112-121 ms a step against 104-111 without asking (2026-11-26, two runs each, bench/pressure_workloads.py
+// --bound device).
+constexpr std::size_t kDeviceRoomMargin = 32 * MiB;
+
+void Pool::ask_device_for_more_room() {
+  std::size_t free_bytes = 0;
+  try {
+    free_bytes = upstream_->device_free_bytes();
+  } catch (const UpstreamError&) {
+    return;
+  }
+  const std::size_t room = reserved_locked() + free_bytes - std::min(free_bytes, kDeviceRoomMargin);
+  if (room > device_room_) device_room_ = room;
 }
 
 // Starts draining the whole mapped pages inside a free block, up to `target` bytes: each run of them

@@ -37,6 +37,9 @@
 //  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
 //    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.
+//  - When the device refuses a map (memory outside the pool), the room it then had bounds the pool like
+//    the cap; the device is asked again before that room makes a block release cached pages, and the
+//    room grows if memory outside was freed (pool_release.cpp, learn_device_room).
 //  - record_stream(ptr, S2) makes free() record an event on S2; the block is reused only after it.
 //  - allocate_at() carves a block at a given address out of free space (CUDA-graph checkpoints are
 //    restored by re-allocating blocks where they were); its code is in pool_allocate_at.cpp.

@@ -132,8 +132,9 @@ void Pool::learn_device_room() {
 // keeps the pool off the device's last bytes, which the driver may not give: on an H100 maps were
 // refused with 2-8 MiB reported free, and a room raised to the full sum there made the pool run into
 // refusals (each a wait or a retry that gives the whole cache back): ckpt at 1.05x of the device took
-// 112-121 ms a step against 104-111 without asking (2026-11-26, two runs each, bench/pressure_workloads.py
-// --bound device).
+// 112-121 ms a step against 104-113 without asking (2026-11-26, two runs each, bench/pressure_workloads.py
+// --bound device); asking with the margin and growing only, 104-107 (README: "When the memory outside
+// goes").
 constexpr std::size_t kDeviceRoomMargin = 32 * MiB;
 
 void Pool::ask_device_for_more_room() {

@@ -154,7 +154,9 @@ bool Pool::ensure_mapped(Block* block) {
   const PageRun groups = pages.widened(touched);
   // A room the device taught the pool earlier may have grown since (memory outside it freed): asked
   // again before it makes this block release cached pages (before any unit is kept for the map).
-  if (device_room_ && reserved_locked() + pages.bytes_of(groups) > device_room_) ask_device_for_more_room();
+  if (device_room_ && device_room_ < effective_cap_locked() &&
+      reserved_locked() + pages.bytes_of(groups) > device_room_)
+    ask_device_for_more_room();
   KeepReleasedUnits keep(*upstream_);
   // Room is made up front for what the draining pages of the region cannot back, those make_room
   // starts included (their unit sizes may not match: then map_run makes room for the rest as it

@@ -116,14 +116,21 @@ bool Pool::fits_without_release(std::size_t bytes) const {
 // step 56 ms against expandable_segments' 37 ms. It is learned again before allocate()'s retry (with
 // the whole cache given back) and by trim(), so an allocation fails only where the device itself has
 // no room. A driver error while asking keeps the room known before: learning is an optimisation.
+namespace {
+// The device's free bytes; false on a driver error, so that the room known before stays.
+bool ask_device_free_bytes(const Upstream& upstream, std::size_t* free_bytes) {
+  try {
+    *free_bytes = upstream.device_free_bytes();
+    return true;
+  } catch (const UpstreamError&) {
+    return false;
+  }
+}
+}  // namespace
+
 void Pool::learn_device_room() {
   std::size_t free_bytes = 0;
-  try {
-    free_bytes = upstream_->device_free_bytes();
-  } catch (const UpstreamError&) {
-    return;
-  }
-  device_room_ = reserved_locked() + free_bytes;
+  if (ask_device_free_bytes(*upstream_, &free_bytes)) device_room_ = reserved_locked() + free_bytes;
 }
 
 // Memory outside the pool may have been freed since the room was learned: before the room makes a
@@ -139,11 +146,7 @@ constexpr std::size_t kDeviceRoomMargin = 32 * MiB;
 
 void Pool::ask_device_for_more_room() {
   std::size_t free_bytes = 0;
-  try {
-    free_bytes = upstream_->device_free_bytes();
-  } catch (const UpstreamError&) {
-    return;
-  }
+  if (!ask_device_free_bytes(*upstream_, &free_bytes)) return;
   const std::size_t room = reserved_locked() + free_bytes - std::min(free_bytes, kDeviceRoomMargin);
   if (room > device_room_) device_room_ = room;
 }

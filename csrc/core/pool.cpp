@@ -246,7 +246,7 @@ bool Pool::commit_allocation(Block* block, bool release_and_retry) {
   update(stats_.requested_bytes, type, [&](Stat& s) { s.increase(requested); });
   live_.put(block->address, block);
   allocated_since_high_water_rose_ += block->size;
-  if (static_cast<double>(live_high_water_) > static_cast<double>(settled_high_water_) * 1.01) {
+  if (static_cast<double>(live_high_water_) > static_cast<double>(settled_high_water_) * (1.0 + kSettledRise)) {
     settled_high_water_ = live_high_water_;
     allocated_since_high_water_rose_ = 0;
   }

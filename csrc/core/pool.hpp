@@ -436,8 +436,9 @@ class Pool {
   std::size_t draining_bytes_ = 0;  // bytes of the draining blocks (still mapped, still reserved)
   std::uint64_t free_seq_ = 0;      // blocks freed so far (Block::freed_seq, Mark::seq)
   std::size_t live_high_water_ = 0;  // highest active bytes so far (not reset by reset_peak_stats)
-  // The live high water as of its last rise by more than 1%, and the bytes allocated since then
-  // (bound_is_roomy: a high water that has held while several times its bytes were allocated).
+  // The live high water as of its last rise by more than kSettledRise (1%), and the bytes allocated
+  // since then (bound_is_roomy: a high water that has held while several times its bytes were allocated).
+  static constexpr double kSettledRise = 0.01;
   std::size_t settled_high_water_ = 0;
   std::size_t allocated_since_high_water_rose_ = 0;
   mutable DeviceStats stats_;

@@ -3,7 +3,8 @@
 included: uncapped, that is all there is), the physical allocations made and released ("units": what the
 driver's time goes by, ~60 us each on an H100 whatever their size), the driver's time for every unit
 call (``driver ms``: units created, mapped, unmapped and released, at the per-unit costs measured on an
-H100, ``gpumem.replay.DRIVER_US_PER_UNIT``), the upstream calls (JSON only) and OOMs; then the lowest
+H100, ``gpumem.replay.DRIVER_US_PER_UNIT``), the upstream calls and the allocations that had to give
+the whole cache back and retry (``retries``; JSON only) and OOMs; then the lowest
 capacity with 0 OOMs (``gpumem.replay.min_capacity``, 0.25% resolution). With ``--device-lag N`` the
 simulated device runs N operations behind the replay (as a GPU runs behind the host) and the table adds
 the waits at 1.02x and 1.05x: the times the pool made the host wait because pages it had to give back
@@ -69,6 +70,7 @@ def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
         for factor in factors]
     for key, report in reports:
         row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,
+                        retries=report.retries,
                         physical_units=report.physical_units, ooms=report.ooms,
                         fragmentation=report.fragmentation, waits=report.waits,
                         waited_operations=report.waited_operations, driver_ms=report.driver_ms)

@@ -268,7 +268,7 @@ def test_remap_at_cap_with_memory_held_outside_the_pool(tmp_path):
         (rows[bool(extra)],) = [json.loads(line) for line in r.stdout.splitlines()]
     held, freed = rows[False], rows[True]
     assert held["bound"] == "device" and held["elsewhere_freed_after"] is None
-    assert held["x1.05"]["ooms"] == 0 and held["x1.05"]["physical_units"] > 0
+    assert held["x1.05"]["ooms"] == 0 and held["x1.05"]["physical_units"] > 0 and held["x1.05"]["retries"] == 0
     assert freed["elsewhere_freed_after"] == 1 and freed["x1.05"]["ooms"] == 0
     assert freed["x1.05"]["mapped_bytes"] == 0 and freed["x1.05"]["driver_ms"] == 0
     assert 1.0 < held["min_capacity"] < 1.02

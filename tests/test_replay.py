@@ -316,6 +316,11 @@ def test_memory_held_outside_the_pool_bounds_it_and_when_it_goes_the_pool_grows_
     limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3)
     assert held.ooms == 0 and held.peak_reserved_bytes <= int(1.05 * peak)
     assert held.physical_units > 0 and held.driver_ms > 0
+    # The learned room: no allocation had to give the whole cache back and retry; with no room at all
+    # (the device holding exactly the peak live bytes) each step that cannot fit retries, then fails.
+    assert held.retries == 0
+    full = gpumem.replay(path, held_elsewhere=DEFAULT_CAPACITY - peak, device_lag=100)
+    assert full.ooms > 0 and full.retries >= full.ooms
     assert (held.physical_units, held.waits) == (limited.physical_units, limited.waits)
     freed = gpumem.replay(path, held_elsewhere=outside, elsewhere_freed_after=1, device_lag=100, passes=3)
     assert freed.ooms == 0 and freed.peak_reserved_bytes > int(1.05 * peak)

@@ -135,13 +135,15 @@ void Pool::learn_device_room() {
 
 // Memory outside the pool may have been freed since the room was learned: before the room makes a
 // block release cached pages (ensure_mapped), the device is asked again, and the room grows to reserved
-// + its free bytes less kDeviceRoomMargin, never shrinks (only a refusal says there is less). The margin
-// keeps the pool off the device's last bytes, which the driver may not give: on an H100 maps were
-// refused with 2-8 MiB reported free, and a room raised to the full sum there made the pool run into
-// refusals (each a wait or a retry that gives the whole cache back): ckpt at 1.05x of the device took
-// 112-121 ms a step against 104-113 without asking (2026-11-26, two runs each, bench/pressure_workloads.py
-// --bound device); asking with the margin and growing only, 104-107 (README: "When the memory outside
-// goes").
+// + its free bytes less kDeviceRoomMargin; it never shrinks here (only a refusal says there is less).
+// Asking both ways with no margin (9af88d0) was slower on an H100: the free bytes the device reports
+// lag the pool's own releases (units released a moment before were not free yet), so the room swung by
+// up to 2 GiB within a step, and each swing down made the pool give back cached pages it then mapped
+// again: ckpt at 1.05x of the device took 112-121 ms a step against 104-113 without asking
+// (2026-11-26, two runs each, bench/pressure_workloads.py --bound device); growing only, with the
+// margin, 104-107 (README: "When the memory outside goes"). The margin keeps a grown room off the
+// device's very end, where a refusal costs a wait or a retry; its size (four 8 MiB groups) was not
+// measured apart.
 constexpr std::size_t kDeviceRoomMargin = 32 * MiB;
 
 void Pool::ask_device_for_more_room() {

@@ -59,6 +59,9 @@ class ReplayReport:
     # mapped_bytes, physical_units, driver_ms, waits and waited_operations are the last pass's (the
     # steady state of a run whose steps repeat, as epochs do); peaks and OOMs cover every pass.
     passes: int = 1
+    # Allocations that found no room without giving the pool's whole cache back and retrying (the
+    # pool's num_alloc_retries; the last pass's with several): each a burst of driver calls on a GPU.
+    retries: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -144,7 +147,7 @@ def replay(
     clock = device if device_lag else None
     result = _C.replay(loaded, pool, progress, clock)
     ooms, first_oom = result["ooms"], result["first_oom"]
-    counted: Tuple[int, ...] = (0,) * 7  # what the passes before the last one made, off the report
+    counted: Tuple[int, ...] = (0,) * 8  # what the passes before the last one made, off the report
     for done in range(1, passes):
         if done == elsewhere_freed_after:
             device.held_elsewhere = 0
@@ -153,7 +156,7 @@ def replay(
         ooms += again["ooms"]
         first_oom = first_oom or again["first_oom"]
         result = dict(again, peak_live_bytes=max(result["peak_live_bytes"], again["peak_live_bytes"]))
-    reserved, creates, releases, maps, unmaps, waits, waited = (
+    reserved, creates, releases, maps, unmaps, waits, waited, retries = (
         a - b for a, b in zip(_device_counters(pool, device), counted))
     peak_reserved = pool.stats()["reserved_bytes"]["all"]["peak"]
     return ReplayReport(
@@ -179,14 +182,17 @@ def replay(
         waits=waits,
         waited_operations=waited,
         passes=passes,
+        retries=retries,
     )
 
 
 def _device_counters(pool: Any, device: Any) -> Tuple[int, ...]:
     """Reserved bytes ever taken, units created and released, unit maps and unmaps, waits and their
-    length, so far: what each pass of ``replay`` adds."""
-    return (pool.stats()["reserved_bytes"]["all"]["allocated"], device.physical_allocations,
-            device.physical_releases, device.unit_maps, device.unit_unmaps, device.waits, device.waited_steps)
+    length, the pool's release-everything retries, so far: what each pass of ``replay`` adds."""
+    stats = pool.stats()
+    return (stats["reserved_bytes"]["all"]["allocated"], device.physical_allocations,
+            device.physical_releases, device.unit_maps, device.unit_unmaps, device.waits, device.waited_steps,
+            stats["num_alloc_retries"])
 
 
 @dataclass

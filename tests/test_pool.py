@@ -156,6 +156,42 @@ def test_block_freed_on_a_stream_is_reused_at_once_there_but_not_on_another_unti
     pool.validate()
 
 
+@pytest.mark.parametrize("kind", ["vmm", "segments"])
+def test_out_of_memory_first_waits_for_blocks_other_streams_still_use(kind):
+    """A block freed after record_stream() stays pending until the other stream's work is done. When a
+    request finds no room, the pool waits for those events and gives the blocks back before it
+    releases its cache and retries, as PyTorch's allocator synchronises its outstanding events first
+    (synchronize_and_free_events): the request then fits where the pending block was, instead of
+    failing with nothing live (it did before)."""
+    device = _C.SimulatedDevice(kind, 1 * GiB)
+    device.set_auto_complete(False)
+    pool = _C.Pool(device)
+    a = pool.allocate(600 * MiB, 0)
+    pool.record_stream(a, 7)
+    pool.free(a)
+    assert flat(pool.stats(), "active_bytes") == 600 * MiB  # pending on stream 7
+    b = pool.allocate(600 * MiB, 0)
+    stats = pool.stats()
+    assert stats["num_ooms"] == 0 and stats["num_alloc_retries"] == 1
+    assert flat(stats, "active_bytes") == 600 * MiB  # b only: a went back to the pool
+    # The same after the out-of-memory callbacks: a block they free with record_stream() is waited for.
+    c_holder = []
+
+    def free_with_record_stream():
+        if c_holder:
+            pool.record_stream(c_holder[0], 9)
+            pool.free(c_holder.pop())
+
+    pool.free(b)
+    pool.trim()
+    c_holder.append(pool.allocate(600 * MiB, 0))
+    pool.add_oom_callback(free_with_record_stream)
+    d = pool.allocate(600 * MiB, 0)
+    assert pool.stats()["num_ooms"] == 0 and not c_holder
+    pool.free(d)
+    pool.validate()
+
+
 def test_vmm_returns_free_pages_in_the_middle():
     device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
     pool = _C.Pool(device, release="lazy", page_size=2 * MiB)

@@ -148,6 +148,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
     // merged with their neighbours, when the retry picks a block (a block picked beside a draining
     // one may need more pages than the same space merged).
     stats_.num_alloc_retries++;
+    wait_pending_frees();
     release_cached(std::numeric_limits<std::size_t>::max());
     drain_all();
     if (device_room_) learn_device_room();  // the device may have more room by now: asked again
@@ -164,6 +165,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
     for (auto& cb : callbacks) cb();
     std::lock_guard<std::mutex> lock(mutex_);
     GPUMEM_VALIDATE_ON_RETURN();
+    wait_pending_frees();  // blocks the callbacks freed with record_stream()
     release_cached(std::numeric_limits<std::size_t>::max());
     drain_all();
     if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
@@ -469,6 +471,18 @@ void Pool::process_events() {
   GPUMEM_VALIDATE_ON_RETURN();
   recycle_completed();
   if (!draining_.empty()) reap_drained(/*wait_oldest=*/false);
+}
+
+// Before an out-of-memory retry: waits for the events of every pending free (a block freed while a
+// stream of record_stream() may still use it) and gives those blocks back to their arenas, as
+// PyTorch's allocator synchronises its outstanding events before it releases its cache
+// (synchronize_and_free_events). Without it a request those blocks could hold failed with nothing
+// live. The bridge defers such frees while a CUDA graph capture may be underway, so none of these
+// events belongs to a capture.
+void Pool::wait_pending_frees() {
+  if (pending_.empty()) return;
+  for (const PendingFree& pending : pending_) upstream_->wait_event(pending.event);
+  recycle_completed();
 }
 
 void Pool::recycle_completed() {

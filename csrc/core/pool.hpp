@@ -34,8 +34,9 @@
 //    under it too (Upstream::map_from), which stream order makes safe. Only an allocation that
 //    nothing else can serve waits, and then for the earliest such mark (for all of them before its
 //    out-of-memory retry, so that the retry sees the released space as merged free blocks).
-//  - A cap bounds reserved bytes. When the upstream or the cap says no: release the whole cache and
-//    retry; run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
+//  - A cap bounds reserved bytes. When the upstream or the cap says no: wait for the blocks freed
+//    with record_stream() whose other streams were still running, release the whole cache and retry;
+//    run the out-of-memory callbacks (gc.collect() from Python) and retry; then throw
 //    OutOfMemoryError with the figures a user needs.
 //  - When the device refuses a map (memory outside the pool), the room it then had bounds the pool like
 //    the cap; the device is asked again before that room makes a block release cached pages, and the
@@ -384,6 +385,7 @@ class Pool {
   void insert_free(Block* block);
   void return_to_arena(Block* block);
   void recycle_completed();  // frees pending blocks whose events have completed (lock held)
+  void wait_pending_frees();  // waits for every pending block's events, then recycle_completed()
   void add_reserved(Region* region, std::int64_t bytes);
   Block* new_block();
   void delete_block(Block* block);

@@ -215,6 +215,31 @@ def test_record_stream_protects_side_stream_use():
 
 
 @pytest.mark.gpu
+def test_an_oom_first_waits_for_blocks_a_busy_side_stream_still_uses():
+    """Under a fraction that holds one 1 GiB tensor, a tensor freed after record_stream() on a side stream
+    still busy is pending; the next 1 GiB request must wait for the side stream and reuse that memory,
+    as PyTorch's allocator does (synchronize_and_free_events before it gives its cache back), not fail
+    with nothing live. The side stream's result is intact."""
+    run("""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((1536 * MiB) / total)
+    side = torch.cuda.Stream()
+    a = torch.full((256 * MiB,), 1.0, device=dev)       # 1 GiB of float32
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)                   # keep the side stream busy
+        total_a = a.sum()
+    a.record_stream(side)
+    del a
+    b = torch.full((256 * MiB,), 2.0, device=dev)       # fits only where a was
+    torch.cuda.synchronize()
+    assert float(total_a) == 256 * MiB, float(total_a)
+    assert float(b[-1]) == 2.0
+    assert torch.cuda.memory_stats()["num_ooms"] == 0
+    """)
+
+
+@pytest.mark.gpu
 def test_cudnn_benchmark_conv():
     run("""
     torch.backends.cudnn.benchmark = True

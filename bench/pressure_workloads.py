@@ -596,7 +596,7 @@ def run(args) -> dict:
     peaks: dict = {}
     device_short = False
     for done in range(args.passes):
-        if bound and done and done == args.ballast_freed_after:
+        if bound and done == args.ballast_freed_after:
             bound["ballast"].free()  # the memory outside goes: can the allocator use it again?
         ooms, first_oom, oom_text, t0, calls0, driver0, stopped = 0, None, "", None, None, None, False
         for i in range(steps):
@@ -643,8 +643,8 @@ def run(args) -> dict:
     # Each pass's mean step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
     result["pass_step_ms"] = [None if p["seconds"] is None else 1000 * p["seconds"] / timed for p in passes]
     # And gpumem's host time in driver calls per timed step of each pass (None for other allocators).
-    result["pass_driver_ms"] = [None if not p.get("driver") else
-                                sum(ms for k, ms in p["driver"].items() if k != "wait") / timed for p in passes]
+    result["pass_driver_ms"] = [None if not p.get("driver") else driver_call_ms(p["driver"]) / timed
+                                for p in passes]
     result["ballast_freed_after"] = args.ballast_freed_after
     result["release_slack"] = args.release_slack
     result["bound"] = args.bound
@@ -664,6 +664,12 @@ def memory_peaks(torch, rmm_resources) -> dict:
     if rmm_resources is not None:
         return rmm_figures(*rmm_resources)
     return dict(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved())
+
+
+def driver_call_ms(driver: dict) -> float:
+    """gpumem's host ms in driver calls, of a pass's driver_time() difference (its waits for the
+    device left out)."""
+    return sum(ms for kind, ms in driver.items() if kind != "wait")
 
 
 def steady_figures(later: list, passes: int, timed: int) -> dict:
@@ -694,8 +700,7 @@ def steady_figures(later: list, passes: int, timed: int) -> dict:
         steady_oom=next((p["oom"] for p in later if p["oom"]), ""),
         steady_device_allocs=sum(c[0] for c in calls) / n if counted else None,
         steady_device_frees=sum(c[1] for c in calls) / n if counted else None,
-        steady_driver_ms=(sum(ms for d in driver for k, ms in d.items() if k != "wait") / n
-                          if timed_driver else None),
+        steady_driver_ms=sum(driver_call_ms(d) for d in driver) / n if timed_driver else None,
         steady_wait_ms=sum(d.get("wait", 0.0) for d in driver) / n if timed_driver else None,
         steady_driver_ms_by_kind=({k: sum(d[k] for d in driver) / n for k in driver[0] if k != "wait"}
                                   if timed_driver else None))

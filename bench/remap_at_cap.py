@@ -42,21 +42,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def bound_options(bound: str, nbytes: int, elsewhere_freed_after: int | None = None) -> dict:
-    """replay()'s keywords that leave the pool `nbytes` under `bound`: the simulated device's
-    capacity, a limit on the default device, or the default device with the rest held outside the
-    pool (``device``; that memory goes back after pass `elsewhere_freed_after` when given)."""
-    from gpumem.replay import DEFAULT_CAPACITY
-
-    if bound == "device":
-        return dict(held_elsewhere=DEFAULT_CAPACITY - nbytes, elsewhere_freed_after=elsewhere_freed_after)
-    return {bound: nbytes}
-
-
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
             passes: int = 1, bound: str = "capacity", release_slack: float | None = None,
             elsewhere_freed_after: int | None = None) -> dict:
-    from gpumem.replay import min_capacity, replay
+    from gpumem.replay import bound_keywords, min_capacity, replay
 
     policy = dict(release=release, release_slack=release_slack)
     uncapped = replay(trace, device_lag=device_lag, passes=passes, **policy)
@@ -66,7 +55,8 @@ def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
                elsewhere_freed_after=elsewhere_freed_after)
     reports = [("uncapped", uncapped)] + [
         (f"x{factor}", replay(trace, device_lag=device_lag, passes=passes, **policy,
-                              **bound_options(bound, int(factor * peak), elsewhere_freed_after)))
+                              **bound_keywords(bound, int(factor * peak)),
+                              elsewhere_freed_after=elsewhere_freed_after))
         for factor in factors]
     for key, report in reports:
         row[key] = dict(mapped_bytes=report.mapped_bytes, upstream_calls=report.upstream_calls,

@@ -405,6 +405,9 @@ class Pool {
     const std::size_t cap = effective_cap_locked();
     return device_room_ && device_room_ < cap ? device_room_ : cap;
   }
+  // The device's free bytes in *free_bytes; false (nothing written) on a driver error, which callers
+  // survive: the room known before stays, an out-of-memory message says "unknown" (pool_release.cpp).
+  bool device_free_bytes(std::size_t* free_bytes) const;
   void learn_device_room();         // the room := reserved + the device's free bytes (pool_release.cpp)
   void ask_device_for_more_room();  // the room grows if memory outside was freed (pool_release.cpp)
   // Span events around a map or an unmap of `run` in `region` (pool_map.cpp).

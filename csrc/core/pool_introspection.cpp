@@ -181,12 +181,9 @@ std::string Pool::oom_message(std::size_t requested, StreamId stream, std::uintp
                               : "none (device total " + format_bytes(upstream_->device_total_bytes()) + ")";
   // The message must not turn an out-of-memory into another error: a device that cannot say what is
   // free (a driver error) is reported as such.
-  std::string device_free;
-  try {
-    device_free = format_bytes(upstream_->device_free_bytes());
-  } catch (const UpstreamError&) {
-    device_free = "unknown (the driver did not say)";
-  }
+  std::size_t free_bytes = 0;
+  const std::string device_free =
+      device_free_bytes(&free_bytes) ? format_bytes(free_bytes) : "unknown (the driver did not say)";
   const std::size_t limit_bytes = budget_->limit();
   const std::string limit = limit_bytes == kNoLimit
                                 ? ""
@@ -194,7 +191,7 @@ std::string Pool::oom_message(std::size_t requested, StreamId stream, std::uintp
   return "gpumem: out of memory on device " + std::to_string(options_.device) + ": tried to allocate " +
          format_bytes(requested) + at_hex + " (stream " + stream_hex + "); " +
          format_bytes(stats_.allocated_bytes[kAggregate].current) + " held by live tensors, " +
-         format_bytes(stats_.reserved_bytes[kAggregate].current) + " reserved by gpumem, cap " + cap +
+         format_bytes(reserved_locked()) + " reserved by gpumem, cap " + cap +
          limit + ", device free " + device_free + ", largest free block " +
          format_bytes(largest_free_block_locked()) +
          ". Free tensors you no longer need, use a smaller batch (gpumem.find_batch_size), or raise "

@@ -116,21 +116,9 @@ bool Pool::fits_without_release(std::size_t bytes) const {
 // step 56 ms against expandable_segments' 37 ms. It is learned again before allocate()'s retry (with
 // the whole cache given back) and by trim(), so an allocation fails only where the device itself has
 // no room. A driver error while asking keeps the room known before: learning is an optimisation.
-namespace {
-// The device's free bytes; false on a driver error, so that the room known before stays.
-bool ask_device_free_bytes(const Upstream& upstream, std::size_t* free_bytes) {
-  try {
-    *free_bytes = upstream.device_free_bytes();
-    return true;
-  } catch (const UpstreamError&) {
-    return false;
-  }
-}
-}  // namespace
-
 void Pool::learn_device_room() {
   std::size_t free_bytes = 0;
-  if (ask_device_free_bytes(*upstream_, &free_bytes)) device_room_ = reserved_locked() + free_bytes;
+  if (device_free_bytes(&free_bytes)) device_room_ = reserved_locked() + free_bytes;
 }
 
 // Memory outside the pool may have been freed since the room was learned: before the room makes a
@@ -148,9 +136,18 @@ constexpr std::size_t kDeviceRoomMargin = 32 * MiB;
 
 void Pool::ask_device_for_more_room() {
   std::size_t free_bytes = 0;
-  if (!ask_device_free_bytes(*upstream_, &free_bytes)) return;
+  if (!device_free_bytes(&free_bytes)) return;
   const std::size_t room = reserved_locked() + free_bytes - std::min(free_bytes, kDeviceRoomMargin);
   if (room > device_room_) device_room_ = room;
+}
+
+bool Pool::device_free_bytes(std::size_t* free_bytes) const {
+  try {
+    *free_bytes = upstream_->device_free_bytes();
+    return true;
+  } catch (const UpstreamError&) {
+    return false;
+  }
 }
 
 // Starts draining the whole mapped pages inside a free block, up to `target` bytes: each run of them
@@ -257,11 +254,11 @@ std::size_t Pool::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   GPUMEM_VALIDATE_ON_RETURN();
   // trim() says what went back: it waits for the pages it started draining (and any others).
-  const std::size_t before = stats_.reserved_bytes[kAggregate].current;
+  const std::size_t before = reserved_locked();
   release_cached(std::numeric_limits<std::size_t>::max(), /*rethrow=*/true);
   drain_all(/*rethrow=*/true);
   if (device_room_) learn_device_room();  // the device's room as it is now
-  return before - static_cast<std::size_t>(stats_.reserved_bytes[kAggregate].current);
+  return before - reserved_locked();
 }
 
 // ---- the cap and the limit -----------------------------------------------------------------------
@@ -279,7 +276,7 @@ void Pool::set_cap(std::size_t bytes) {
     throw InvalidArgument("gpumem: a cap of " + format_bytes(bytes) + " is below one page (" +
                           format_bytes(page_size_) + ")");
   options_.cap_bytes = bytes;
-  const std::size_t reserved = stats_.reserved_bytes[kAggregate].current;
+  const std::size_t reserved = reserved_locked();
   if (reserved > effective_cap_locked()) {
     release_cached(reserved - effective_cap_locked());
     drain_all();  // a setting the user made: it holds when the call returns, where it can

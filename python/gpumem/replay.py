@@ -195,6 +195,19 @@ def _device_counters(pool: Any, device: Any) -> Tuple[int, ...]:
             stats["num_alloc_retries"])
 
 
+def bound_keywords(bound: str, nbytes: int) -> Dict[str, Any]:
+    """``replay``'s keywords that leave the pool ``nbytes`` under ``bound``: the simulated device's
+    ``capacity``; a ``limit`` on the default device (what ``set_per_process_memory_fraction`` sets);
+    or (``device``) the default device with the rest ``held_elsewhere``."""
+    if bound == "capacity":
+        return {"capacity": nbytes}
+    if bound == "limit":
+        return {"limit": nbytes}
+    if bound == "device":
+        return {"held_elsewhere": DEFAULT_CAPACITY - nbytes}
+    raise ValueError(f"bound must be 'capacity', 'limit' or 'device', got {bound!r}")
+
+
 @dataclass
 class MinCapacity:
     """The lowest simulated device capacity at which a trace replays with 0 OOMs (``min_capacity``)."""
@@ -249,13 +262,7 @@ def min_capacity(
 
     def passes(capacity: int) -> bool:
         if capacity not in passed:
-            if bound == "capacity":
-                report = replay(trace, capacity=capacity, **options)
-            elif bound == "limit":
-                report = replay(trace, limit=capacity, **options)
-            else:
-                report = replay(trace, held_elsewhere=DEFAULT_CAPACITY - capacity, **options)
-            passed[capacity] = report.ooms == 0
+            passed[capacity] = replay(trace, **bound_keywords(bound, capacity), **options).ooms == 0
         return passed[capacity]
 
     lo, hi = peak, max(base.peak_reserved_bytes, peak + 1)

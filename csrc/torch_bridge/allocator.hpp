@@ -344,6 +344,11 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void reset_library_peaks(int device);
 
   // ---- oom.cpp ----
+  // Runs torch's FreeCudaMemoryCallbacksRegistry (torch registers cuda_ipc_collect there: blocks this
+  // process shared over CUDA IPC, held until their consumers let go) before a main pool gives up, as
+  // PyTorch's allocator does; a callback that throws is reported as a warning. True if one freed
+  // something.
+  static bool run_torch_free_memory_callbacks(int device);
   [[noreturn]] void raise_oom(int device, std::size_t requested, const std::string& detail,
                               std::size_t allocated, cudaStream_t stream);
 

@@ -3,11 +3,13 @@
 // a total capacity of 79.19 GiB of which 1.02 GiB is free. ..."), since Lightning, Accelerate and
 // many scripts match that text, followed by gpumem's own figures (live, reserved, cap, largest free
 // block, what to do). Before throwing: the OOM trace entry and torch's OOM observers (the memory
-// snapshot on OOM relies on them), as PyTorch's allocator does.
+// snapshot on OOM relies on them), as PyTorch's allocator does. Before giving up: torch's
+// free-memory callbacks (cuda_ipc_collect), run from the main pools' out-of-memory callback.
 #include <cinttypes>
 #include <cstdio>
 #include <string>
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
@@ -34,6 +36,22 @@ std::string torch_format_size(std::uint64_t size) {
 }
 
 }  // namespace
+
+bool GpumemAllocator::run_torch_free_memory_callbacks(int device) {
+  // PyTorch's allocator runs these whenever its cache cannot serve a request, before it asks the
+  // driver; the pool's cache lives in mapped pages instead, so they run where the pool runs out.
+  bool freed = false;
+  auto* registry = c10::FreeCudaMemoryCallbacksRegistry();
+  for (const std::string& name : registry->Keys()) {
+    try {
+      freed |= registry->Create(name)->Execute();
+    } catch (const std::exception& e) {
+      TORCH_WARN(cat("gpumem: torch's free-memory callback '", name, "' on device ", device,
+                     " failed: ", e.what()));
+    }
+  }
+  return freed;
+}
 
 void GpumemAllocator::raise_oom(int device, std::size_t requested, const std::string& detail,
                                 std::size_t allocated, cudaStream_t stream) {

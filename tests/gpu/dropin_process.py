@@ -103,6 +103,66 @@ def scenario_ipc():
     torch.cuda.synchronize()
 
 
+def _ipc_child_holds(q, results, orders):
+    """Receives a tensor, answers its sum, drops it when told and says so, then stays alive until told
+    to quit: the sender's memory must come back through its own collect, not through this exit."""
+    try:
+        t = q.get(timeout=IPC_WAIT + 5)
+        results.put(("ok", float(t.sum().item())))
+        orders.get(timeout=IPC_WAIT + 5)
+        del t
+        gc.collect()
+        torch.cuda.synchronize()
+        results.put(("ok", "released"))
+        orders.get(timeout=IPC_WAIT + 5)
+    except Exception as e:  # noqa: BLE001
+        results.put(("error", f"{exc_name(e)}: {e}"))
+
+
+def scenario_ipc_collect_on_oom():
+    """A 1 GiB tensor sent to a child over CUDA IPC, dropped by the sender while the child still holds
+    it, then by the child: torch keeps its block in the sender's "sent data limbo" until
+    cuda_ipc_collect runs (torch's FreeCudaMemoryCallbacksRegistry). Under a fraction with room for
+    one such tensor, the sender's next 1 GiB allocation fits only if the allocator runs those
+    callbacks before it fails, as PyTorch's allocator does."""
+    import torch.multiprocessing as tmp
+
+    start()
+    ctx = tmp.get_context("spawn")
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 1536 * MiB) / total)
+    a = torch.full((256 * MiB,), 1.0, device="cuda")  # 1 GiB of float32
+    torch.cuda.synchronize()
+    q, results, orders = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_ipc_child_holds, args=(q, results, orders))
+    p.start()
+    fact: dict = {}
+    try:
+        q.put(a)
+        fact["child_sum"] = _ipc_outcome(results, time.monotonic())
+        if fact["child_sum"]["outcome"] == "received":
+            del a
+            gc.collect()
+            orders.put("drop")
+            fact["child_dropped"] = _ipc_outcome(results, time.monotonic())
+            ooms = torch.cuda.memory_stats()["num_ooms"]
+            try:
+                b = torch.full((256 * MiB,), 2.0, device="cuda")
+                torch.cuda.synchronize()
+                fact["next"] = dict(outcome="fits", last=float(b[-1]))
+                del b
+            except torch.OutOfMemoryError as e:
+                fact["next"] = dict(outcome="oom", message=str(e)[:400])
+            fact["num_ooms_delta"] = torch.cuda.memory_stats()["num_ooms"] - ooms
+    finally:
+        orders.put("quit")
+        orders.put("quit")
+        _stop(p)
+    FACTS["ipc_collect"] = fact
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.synchronize()
+
+
 # ----------------------------------------------------------------------------- calls that must not kill
 
 

@@ -22,7 +22,7 @@ from dropin_common import (  # noqa: E402  (the allocator is chosen there, befor
     MiB, DEV, FACTS, GPUMEM, start, std_deleter, warm, pool_blocks, live_check, exc_name, torch,
     _captured,
 )
-from dropin_process import NOCRASH, _usable, scenario_ipc  # noqa: E402,F401
+from dropin_process import NOCRASH, _usable, scenario_ipc, scenario_ipc_collect_on_oom  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- storage deleters
 

@@ -191,6 +191,22 @@ def test_cuda_ipc_never_hangs():
 
 
 @pytest.mark.gpu
+def test_an_oom_first_collects_memory_shared_over_cuda_ipc():
+    """A 1 GiB tensor shared with a child process and dropped on both sides stays in torch's sent-data
+    limbo until cuda_ipc_collect; under a fraction with room for one such tensor the next 1 GiB
+    allocation fits with PyTorch's allocator (it runs torch's free-memory callbacks before failing),
+    so it must with gpumem, with no OOM counted and the new tensor's data right."""
+    n, g = both("ipc_collect_on_oom", timeout=120)
+    assert n["ipc_collect"]["next"]["outcome"] == "fits", (
+        f"PyTorch's allocator does not collect here, so the expectation is wrong: {n['ipc_collect']}")
+    if g["ipc_collect"]["child_sum"]["outcome"] != "received":
+        pytest.fail(f"the tensor did not reach the child with gpumem: {g['ipc_collect']}")
+    assert g["ipc_collect"]["child_sum"]["value"] == n["ipc_collect"]["child_sum"]["value"], (g, n)
+    assert g["ipc_collect"]["next"] == {"outcome": "fits", "last": 2.0}, g["ipc_collect"]
+    assert g["ipc_collect"]["num_ooms_delta"] == n["ipc_collect"]["num_ooms_delta"] == 0, (g, n)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", NOCRASH)
 def test_calls_never_kill_the_process(case):
     """Each call raises or succeeds, but the process lives on (prints ALIVE, exits 0) and CUDA stays

@@ -20,9 +20,10 @@ release:high_water; rmm where RAPIDS RMM imports), one process per run:
     on the same GPU (caps are per process; the trials' caps plus each one's CUDA context stay under
     90% of the device), every allocator's unfinished search in the same round, each split into as many
     points as the round has room for. A trial ends at its first OOM. One that met a device short of
-    memory (not its cap) runs again alone. Past --budget-s seconds no new round starts: the searches
-    left report their bracket, and a later call with --resume (this call's --json) goes on from it,
-    keeping P, the timed runs and every trial. A trial runs the step list once.
+    memory (not its cap) while other trials ran beside it runs again alone. Past --budget-s seconds
+    no new round starts: the searches left report their bracket, and a later call with --resume (this
+    call's --json) goes on from it, keeping P, the timed runs and every trial. A trial runs the step
+    list once.
 
 What is timed. Every workload's shapes change from step to step, so each step of a run's first pass
 over its step list meets its shapes for the first time and pays their one-time costs (cuBLAS
@@ -215,9 +216,11 @@ class Runner:
 
     def parallel(self, trials: list) -> None:
         """Runs the trials, as many at once as --jobs and the device's memory allow; a trial that met
-        a device short of memory runs again alone."""
+        a device short of memory while others ran beside it runs again alone (one that ran alone,
+        as every trial under --bound device does, met the device's end itself: its result stands)."""
         budget = DEVICE_SHARE * self.total
         queue, running, retry = list(trials), [], []
+        shared = set()  # ids of the trials that ran while another one did
         while queue or running:
             used = sum(self.cap_bytes(t) + CONTEXT_BYTES for t, _ in running)
             while queue and len(running) < self.args.jobs and (
@@ -225,11 +228,13 @@ class Runner:
                 t = queue.pop(0)
                 running.append((t, self._start(t)))
                 used += self.cap_bytes(t) + CONTEXT_BYTES
+                if len(running) > 1:
+                    shared.update(id(r) for r, _ in running)
             time.sleep(0.2)
             for t, proc in [r for r in running if r[1].poll() is not None]:
                 running.remove((t, proc))
                 self._finish(t, proc)
-                if t.result.get("device_short"):
+                if t.result.get("device_short") and id(t) in shared:
                     retry.append(t)
         for t in retry:
             self.alone(t)

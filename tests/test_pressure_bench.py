@@ -546,3 +546,45 @@ def test_resume_on_the_cpu_keeps_the_earlier_workloads_in_the_new_json(tmp_path)
     assert doc["results"]["bert"] == json.loads(first.read_text())["results"]["bert"]
     assert len(doc["trials"]) == len(json.loads(first.read_text())["trials"]) + 1
     assert doc["args"]["resume"] == str(first) and "earlier" not in doc["args"]
+
+
+# ----------------------------------------------------------------------------- device-short reruns
+
+
+class ShortDeviceRunner(pressure.Runner):
+    """Every trial's worker is a real process that reports the device short of memory (what a trial
+    meets when the device's end, not its cap, stops it); the processes started are counted."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.total, self.starts = 80 << 30, []
+
+    def command(self, t):
+        return [sys.executable, "-c", "import json, time; time.sleep(0.5); "
+                "print(json.dumps(dict(ooms=1, device_short=True)))"]
+
+    def _start(self, t):
+        self.starts.append(t.cap)
+        return super()._start(t)
+
+
+def short_trials(runner, caps):
+    runner.peak["bert"] = 1 << 30
+    return [pressure.Trial("bert", "gpumem", cap, True, 1) for cap in caps]
+
+
+def test_a_trial_short_of_device_memory_beside_others_runs_again_alone():
+    runner = ShortDeviceRunner(pressure.parse_args(["--workloads", "bert", "--jobs", "2"]))
+    trials = short_trials(runner, [1.0, 1.01])
+    runner.parallel(trials)
+    assert sorted(runner.starts) == [1.0, 1.0, 1.01, 1.01]  # both ran together, then each alone
+    assert all(t.result["device_short"] for t in trials) and len(runner.log) == 4
+
+
+def test_a_trial_short_of_device_memory_that_ran_alone_is_not_run_again():
+    # --bound device runs one trial at a time: a device short of memory is the bound itself
+    args = pressure.parse_args(["--workloads", "bert", "--bound", "device"])
+    assert args.jobs == 1
+    runner = ShortDeviceRunner(args)
+    runner.parallel(short_trials(runner, [1.0, 1.01]))
+    assert runner.starts == [1.0, 1.01] and len(runner.log) == 2

@@ -314,6 +314,27 @@ def test_a_driver_error_while_asking_the_devices_room_keeps_the_room_known_befor
     assert pool.trim() > 0 and device.used_bytes == 0
 
 
+def test_the_out_of_memory_message_says_how_much_of_the_device_is_held_outside_the_pool():
+    """On a shared device the pool runs out before any cap: the message says what the device's other
+    users hold (total - free - what the pool reserved), so the user knows the memory is not the pool's."""
+    device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
+    device.held_elsewhere = 3 * GiB
+    pool = _C.Pool(device)
+    keep = pool.allocate(512 * MiB)
+    with pytest.raises(_C.OutOfMemoryError) as e:
+        pool.allocate(768 * MiB)
+    msg = str(e.value)
+    assert "3.00 GiB of the device held outside gpumem" in msg, msg
+    assert "512.00 MiB held by live tensors" in msg, msg
+    device.held_elsewhere = 0  # nothing outside: nothing said
+    with pytest.raises(_C.OutOfMemoryError) as e:
+        pool.allocate(4 * GiB)
+    assert "held outside gpumem" not in str(e.value), str(e.value)
+    pool.free(keep)
+    pool.validate()
+    assert pool.trim() > 0 and device.used_bytes == 0
+
+
 def test_cap_is_enforced_and_a_cap_below_live_bytes_is_refused():
     pool = _C.Pool(_C.SimulatedDevice("segments", 4 * GiB), cap=512 * MiB)
     a = pool.allocate(300 * MiB)

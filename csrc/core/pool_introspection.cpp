@@ -182,8 +182,17 @@ std::string Pool::oom_message(std::size_t requested, StreamId stream, std::uintp
   // The message must not turn an out-of-memory into another error: a device that cannot say what is
   // free (a driver error) is reported as such.
   std::size_t free_bytes = 0;
-  const std::string device_free =
-      device_free_bytes(&free_bytes) ? format_bytes(free_bytes) : "unknown (the driver did not say)";
+  std::string device_free = "unknown (the driver did not say)";
+  if (device_free_bytes(&free_bytes)) {
+    device_free = format_bytes(free_bytes);
+    // What neither this device's pools (the budget counts them all) nor the free bytes account for:
+    // on a shared GPU the usual reason the device ran out before the cap or the limit did.
+    const std::size_t total = upstream_->device_total_bytes(), inside = budget_->reserved();
+    if (total > free_bytes && total - free_bytes > inside)
+      device_free += " (" + format_bytes(total - free_bytes - inside) +
+                     " of the device held outside gpumem: the CUDA context, other processes, other "
+                     "libraries' own allocations)";
+  }
   const std::size_t limit_bytes = budget_->limit();
   const std::string limit = limit_bytes == kNoLimit
                                 ? ""

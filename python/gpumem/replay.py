@@ -249,8 +249,7 @@ def min_capacity(
     """
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
-    if bound not in ("capacity", "limit", "device"):
-        raise ValueError(f"bound must be 'capacity', 'limit' or 'device', got {bound!r}")
+    bound_keywords(bound, 0)  # a bad bound fails here, before the base replay
     if {"capacity", "limit", "progress", "held_elsewhere"} & set(options):
         raise ValueError("min_capacity chooses the capacity itself: pass neither capacity, limit, "
                          "held_elsewhere nor progress")

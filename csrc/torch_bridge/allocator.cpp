@@ -153,28 +153,30 @@ Pool& GpumemAllocator::create_main_pool(int device) {
                                      static_cast<double>(pool->upstream().device_total_bytes()));
     if (cap != 0) pool->set_cap(cap);
     const bool gc_on_oom = cfg.gc_on_oom;
-    state.callback_id = pool->add_oom_callback([this, device, gc_on_oom] {
-      // torch's own free-memory callbacks first (oom.cpp), as PyTorch's allocator runs them before
-      // it takes more memory; then whatever callback Python set (gc.collect), unless gc_on_oom:false.
-      run_torch_free_memory_callbacks(device);
-      if (!gc_on_oom) return;
-      std::function<void()> cb;
-      {
-        std::lock_guard<std::mutex> l(callback_mutex_);
-        cb = oom_callback_;
-      }
-      if (!cb) return;
-      try {
-        cb();
-      } catch (const std::exception& e) {
-        // The allocation still gets its retry and, failing that, its OutOfMemoryError.
-        TORCH_WARN(cat("gpumem: the out-of-memory callback on device ", device, " failed: ", e.what()));
-      }
-    });
+    state.callback_id = pool->add_oom_callback([this, device, gc_on_oom] { run_oom_callbacks(device, gc_on_oom); });
     state.owner = std::move(pool);
   });
   state.main.store(state.owner.get(), std::memory_order_release);
   return *state.owner;
+}
+
+void GpumemAllocator::run_oom_callbacks(int device, bool gc_on_oom) {
+  // torch's own free-memory callbacks first (oom.cpp), as PyTorch's allocator runs them before it
+  // takes more memory; then whatever callback Python set (gc.collect), unless gc_on_oom:false.
+  run_torch_free_memory_callbacks(device);
+  if (!gc_on_oom) return;
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> l(callback_mutex_);
+    cb = oom_callback_;
+  }
+  if (!cb) return;
+  try {
+    cb();
+  } catch (const std::exception& e) {
+    // The allocation still gets its retry and, failing that, its OutOfMemoryError.
+    TORCH_WARN(cat("gpumem: the out-of-memory callback on device ", device, " failed: ", e.what()));
+  }
 }
 
 void GpumemAllocator::set_oom_callback(std::function<void()> callback) {

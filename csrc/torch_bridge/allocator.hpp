@@ -175,6 +175,9 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   TrackerAudit tracker_audit();
   // The OOM callback (Python: gc.collect) of every main pool, present and future. Empty = none.
   void set_oom_callback(std::function<void()> callback);
+  // What runs before an allocation on `device` fails: torch's free-memory callbacks, then the
+  // callback set above when `gc_on_oom`.
+  void run_oom_callbacks(int device, bool gc_on_oom);
 
   // ---- foreign.cpp: other libraries' blocks from the device's main pool ----
   // A block of `size` bytes for `library` (not kTorch) on `device`, used on `stream`: the main pool's
@@ -334,6 +337,9 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   bool try_free_private(void* ptr);
   // The cached memory of MemPools made with use_on_oom=True, for a main-pool allocation that failed.
   std::uintptr_t borrow_from_oom_pools(int device, std::size_t size, cudaStream_t stream);
+  // A private pool's out-of-memory callback: unless the current stream is capturing, runs the OOM
+  // callbacks and gives the main pool's cache back to the device (the pool then retries).
+  void reclaim_for_private_pool(int device);
   void free_private_block(const std::shared_ptr<PrivatePool>& pp, std::uintptr_t p);
   void maybe_destroy(const std::shared_ptr<PrivatePool>& pp);
   std::vector<std::shared_ptr<PrivatePool>> private_pools_of(int device);

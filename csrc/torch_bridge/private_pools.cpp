@@ -45,7 +45,11 @@ Pool& GpumemAllocator::private_pool_memory(PrivatePool& pp) {
     std::lock_guard<std::mutex> lock(pp.mutex);
     // Private pools never give memory back on their own: a graph's memory must stay mapped until the
     // graph is released.
-    if (!pp.pool) pp.pool = make_pool(pp.device, pp.id, ReleasePolicy::kLazy, pp.external);
+    if (!pp.pool) {
+      pp.pool = make_pool(pp.device, pp.id, ReleasePolicy::kLazy, pp.external);
+      const int device = pp.device;
+      pp.pool->add_oom_callback([this, device] { reclaim_for_private_pool(device); });
+    }
     return pp.pool.get();
   });
 }
@@ -102,6 +106,24 @@ bool GpumemAllocator::try_free_private(void* ptr) {
   }
   if (pp) free_private_block(pp, p);
   return true;
+}
+
+void GpumemAllocator::reclaim_for_private_pool(int device) {
+  // As PyTorch's allocator: its retry releases the default pools' cached blocks, but not while a
+  // graph capture is underway (nothing may be freed or synchronised then), and runs the free-memory
+  // callbacks for every pool. Without this a MemPool ran out while the main pool held cached memory
+  // under the same fraction (one budget per device) or on the same full device. Allocations come
+  // from the current stream (malloc_on), so its capture status is the allocation's.
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+  run_oom_callbacks(device, config().gc_on_oom);
+  if (Pool* main = main_pool_if_created(device)) {
+    // Another thread may be capturing: the main pool's release runs in relaxed mode, as
+    // empty_cache() does (its pages were free, so no capture uses them).
+    MaybeRelaxed relaxed(routing_count_.load(std::memory_order_acquire) > 0);
+    DeviceSwitch on(device);
+    main->process_events();
+    main->trim();
+  }
 }
 
 std::uintptr_t GpumemAllocator::borrow_from_oom_pools(int device, std::size_t size, cudaStream_t stream) {

@@ -406,6 +406,38 @@ def scenario_segments():
 
 
 
+def scenario_mempool_oom():
+    """Under a fraction with room for one 1 GiB tensor, 1 GiB freed in the default pool stays cached
+    there; a 1 GiB tensor made inside torch.cuda.use_mem_pool then fits only if the MemPool's
+    out-of-memory retry gives the default pool's cache back (recent PyTorch versions do, outside graph
+    capture). Records what happened; the test says what each allocator must do."""
+    start()
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 1536 * MiB) / total)
+    a = torch.full((256 * MiB,), 1.0, device="cuda")  # 1 GiB of float32
+    torch.cuda.synchronize()
+    del a
+    fact: dict = dict(cached_before=torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+    pool = torch.cuda.MemPool()
+    ooms = torch.cuda.memory_stats()["num_ooms"]
+    try:
+        with torch.cuda.use_mem_pool(pool):
+            b = torch.full((256 * MiB,), 2.0, device="cuda")
+        torch.cuda.synchronize()
+        fact["mempool"] = dict(outcome="fits", last=float(b[-1]))
+        del b
+    except torch.OutOfMemoryError as e:
+        fact["mempool"] = dict(outcome="oom", message=str(e)[:400])
+    fact["num_ooms_delta"] = torch.cuda.memory_stats()["num_ooms"] - ooms
+    c = torch.full((64 * MiB,), 3.0, device="cuda")  # the default pool works on
+    assert float(c[-1]) == 3.0
+    del c, pool
+    gc.collect()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
+    FACTS["mempool_oom"] = fact
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in list(globals().items()) if name.startswith("scenario_")}
 
 

@@ -335,6 +335,29 @@ def test_the_out_of_memory_message_says_how_much_of_the_device_is_held_outside_t
     assert pool.trim() > 0 and device.used_bytes == 0
 
 
+def test_an_out_of_memory_the_caller_may_still_serve_is_counted_by_the_caller():
+    """allocate(count_oom=False) raises as before but leaves num_ooms alone (the bridge borrows from
+    MemPool(use_on_oom=True) then, and PyTorch counts only allocations that finally fail); count_oom()
+    counts it when the caller could not serve it either. The pool works on, its accounting exact."""
+    device = _C.SimulatedDevice("vmm", GiB)
+    pool = _C.Pool(device)
+    keep = pool.allocate(100 * MiB)
+    with pytest.raises(_C.OutOfMemoryError, match="tried to allocate 2.00 GiB"):
+        pool.allocate(2 * GiB, count_oom=False)
+    s = pool.stats()
+    assert s["num_ooms"] == 0 and s["num_alloc_retries"] == 1
+    pool.count_oom()
+    assert pool.stats()["num_ooms"] == 1
+    with pytest.raises(_C.OutOfMemoryError):
+        pool.allocate(2 * GiB)
+    assert pool.stats()["num_ooms"] == 2
+    p = pool.allocate(200 * MiB, count_oom=False)
+    pool.free(p)
+    pool.free(keep)
+    pool.validate()
+    assert flat(pool.stats(), "active_bytes") == 0
+
+
 def test_cap_is_enforced_and_a_cap_below_live_bytes_is_refused():
     pool = _C.Pool(_C.SimulatedDevice("segments", 4 * GiB), cap=512 * MiB)
     a = pool.allocate(300 * MiB)

@@ -241,12 +241,17 @@ PYBIND11_MODULE(_C, m) {
            "A pool over `upstream`. page_size: bytes per page of large arenas on a paged upstream "
            "(a multiple of its granularity; small arenas use the granularity).")
       .def("allocate",
-           [](Pool& p, const py::int_& size, StreamId stream) {
+           [](Pool& p, const py::int_& size, StreamId stream, bool count_oom) {
              std::size_t bytes = to_size(size, "size");
-             return without_gil([&] { return p.allocate(bytes, stream); });  // OOM callbacks take the GIL
+             // OOM callbacks take the GIL
+             return without_gil([&] { return p.allocate(bytes, stream, count_oom); });
            },
-           py::arg("size"), py::arg("stream") = 0,
-           "Returns a 512-byte aligned address (0 for size 0). Raises OutOfMemoryError or ValueError.")
+           py::arg("size"), py::arg("stream") = 0, py::arg("count_oom") = true,
+           "Returns a 512-byte aligned address (0 for size 0). Raises OutOfMemoryError or ValueError. "
+           "count_oom=False: an out-of-memory is not counted in num_ooms (the caller counts it with "
+           "count_oom() if it cannot serve the request elsewhere).")
+      .def("count_oom", [](Pool& p) { without_gil([&] { p.count_oom(); }); },
+           "Counts one out-of-memory in num_ooms (see allocate's count_oom).")
       .def("allocate_at",
            [](Pool& p, const py::int_& ptr, const py::int_& size) {
              std::uintptr_t address = to_address(ptr);

@@ -132,7 +132,7 @@ void Pool::add_reserved(Region* region, std::int64_t bytes) {
 
 // ---- allocation ----------------------------------------------------------------------------------
 
-std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
+std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream, bool count_oom) {
   if (bytes == 0) return 0;  // PyTorch asks for zero bytes for empty tensors: null, freed as a no-op
   if (bytes > kMaxRequest)
     throw InvalidArgument("gpumem: cannot allocate " + std::to_string(bytes) +
@@ -172,7 +172,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   GPUMEM_VALIDATE_ON_RETURN();
-  stats_.num_ooms++;
+  if (count_oom) stats_.num_ooms++;
   throw OutOfMemoryError(oom_message(bytes, stream), bytes,
                          stats_.allocated_bytes[kAggregate].current,
                          stats_.reserved_bytes[kAggregate].current, options_.cap_bytes,

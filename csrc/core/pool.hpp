@@ -155,8 +155,11 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   // Returns an address aligned to 512 bytes, or 0 for a zero-byte request (which frees as a no-op).
+  // `count_oom` false: an out-of-memory is thrown without counting it in num_ooms, for a caller that
+  // may still serve the request elsewhere (the bridge borrows from MemPool(use_on_oom=True)) and
+  // counts it with count_oom() only if that fails too, as PyTorch counts OOMs.
   // @throws OutOfMemoryError when the memory cannot be had; InvalidArgument for absurd sizes.
-  std::uintptr_t allocate(std::size_t bytes, StreamId stream);
+  std::uintptr_t allocate(std::size_t bytes, StreamId stream, bool count_oom = true);
   // Like allocate(), but only from memory this pool has already reserved: nothing is mapped or taken
   // from the upstream, no cache is released, no callback runs. Returns 0 when nothing cached fits.
   // (PyTorch's MemPool(use_on_oom=True): another pool's OOM borrows a pool's cached memory.)

@@ -265,10 +265,13 @@ std::uintptr_t GpumemAllocator::pool_allocate(Pool& pool, std::size_t size, int 
                                               cudaStream_t stream, bool may_borrow) {
   return translate([&]() -> std::uintptr_t {
     try {
-      return pool.allocate(size, reinterpret_cast<StreamId>(stream));
+      // A request a MemPool lends to is no OOM: counted only once borrowing failed too.
+      return pool.allocate(size, reinterpret_cast<StreamId>(stream), /*count_oom=*/!may_borrow);
     } catch (const OutOfMemoryError& e) {
-      if (may_borrow)
+      if (may_borrow) {
         if (std::uintptr_t p = borrow_from_oom_pools(device, size, stream)) return p;
+        pool.count_oom();
+      }
       // torch.cuda.OutOfMemoryError in PyTorch's words, after the OOM observers.
       raise_oom(device, e.requested, e.what(), e.allocated, stream);
     }

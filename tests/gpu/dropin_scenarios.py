@@ -438,6 +438,35 @@ def scenario_mempool_oom():
     FACTS["mempool_oom"] = fact
 
 
+def scenario_mempool_lends_on_oom():
+    """A MemPool(use_on_oom=True) holds 1 GiB cached; under a fraction with room for one 1 GiB tensor
+    (the MemPool's included), a 1 GiB tensor of the default pool borrows that memory. The allocation
+    succeeds, so PyTorch does not count it in num_ooms; records the count for the test to compare."""
+    start()
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    pool = torch.cuda.MemPool(use_on_oom=True)
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.full((256 * MiB,), 1.0, device="cuda")  # 1 GiB of float32
+    torch.cuda.synchronize()
+    del a
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 256 * MiB) / total)
+    ooms = torch.cuda.memory_stats()["num_ooms"]
+    fact: dict = {}
+    try:
+        b = torch.full((256 * MiB,), 2.0, device="cuda")
+        torch.cuda.synchronize()
+        fact["borrow"] = dict(outcome="fits", last=float(b[-1]))
+        del b
+    except torch.OutOfMemoryError as e:
+        fact["borrow"] = dict(outcome="oom", message=str(e)[:400])
+    fact["num_ooms_delta"] = torch.cuda.memory_stats()["num_ooms"] - ooms
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    del pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    FACTS["mempool_lends"] = fact
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in list(globals().items()) if name.startswith("scenario_")}
 
 

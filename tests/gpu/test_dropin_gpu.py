@@ -221,6 +221,18 @@ def test_a_mempool_that_runs_out_takes_back_the_default_pools_cache():
 
 
 @pytest.mark.gpu
+def test_an_allocation_a_mempool_lends_to_is_not_counted_as_an_oom():
+    """The default pool runs out and a MemPool(use_on_oom=True) lends its cached 1 GiB: the tensor is
+    made, as with PyTorch's allocator, and num_ooms changes as PyTorch's does (it counts only
+    allocations that finally fail)."""
+    n, g = both("mempool_lends_on_oom", timeout=120)
+    assert n["mempool_lends"]["borrow"]["outcome"] == "fits", (
+        f"PyTorch's allocator does not lend here, so the expectation is wrong: {n['mempool_lends']}")
+    assert g["mempool_lends"]["borrow"] == {"outcome": "fits", "last": 2.0}, g["mempool_lends"]
+    assert g["mempool_lends"]["num_ooms_delta"] == n["mempool_lends"]["num_ooms_delta"], (g, n)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", NOCRASH)
 def test_calls_never_kill_the_process(case):
     """Each call raises or succeeds, but the process lives on (prints ALIVE, exits 0) and CUDA stays

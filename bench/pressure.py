@@ -69,7 +69,9 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "pressure_workloads.py")
 sys.path.insert(0, HERE)
-from pressure_workloads import ALLOCATORS, CONTEXT_BYTES, WORKLOADS  # noqa: E402  (imports no torch)
+from pressure_workloads import (  # noqa: E402  (imports no torch)
+    ALLOCATORS, CONTEXT_BYTES, WORKLOADS, release_slack_arg,
+)
 
 TORCH_ALLOCATORS = ("native", "expandable", "async")
 TIMED_CAP = 1.05
@@ -521,7 +523,7 @@ def parse_args(argv=None):
                          "timed figures and trials are kept, each unfinished search continues from its "
                          "bracket; workloads it lacks are measured from the start. The new --json holds "
                          "the earlier run's other workloads too, so calls can be chained")
-    ap.add_argument("--release-slack", type=float, default=None, metavar="S",
+    ap.add_argument("--release-slack", type=release_slack_arg, default=None, metavar="S",
                     help="gpumem_hw's release_slack: how far reserved may exceed the live high water "
                          "(default gpumem's, 0.005)")
     ap.add_argument("--bound", default="fraction", choices=("fraction", "device"),
@@ -563,8 +565,6 @@ def parse_args(argv=None):
         args.jobs = 1  # each trial's ballast takes the whole device: one trial at a time
     if args.release_slack is not None and "gpumem_hw" not in args.allocators:
         ap.error("--release-slack applies to gpumem_hw, which --allocators does not name")
-    if args.release_slack is not None and not 0 <= args.release_slack <= 1:
-        ap.error(f"--release-slack must be in [0, 1], got {args.release_slack}")
     args.earlier = None
     if args.resume:
         try:

@@ -80,6 +80,18 @@ WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", 
 CONTEXT_BYTES = 900 << 20
 
 
+def release_slack_arg(text: str) -> float:
+    """The argparse type of --release-slack (this script, pressure.py, remap_at_cap.py): a fraction in
+    [0, 1], as GPUMEM_CONF's release_slack."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def select_allocator(name: str, fraction: float | None, release_slack: float | None = None) -> None:
     """Make `name` torch's CUDA allocator; before anything starts CUDA (rmm: after, see rmm_pool).
     `release_slack`: gpumem_hw's slack above the live high water (None: gpumem's default)."""
@@ -719,7 +731,7 @@ def parse_args(argv=None):
     ap.add_argument("--passes", type=int, default=1,
                     help="run the whole step list this many times (default 1); passes 2..N give the "
                          "steady_* figures")
-    ap.add_argument("--release-slack", type=float, default=None,
+    ap.add_argument("--release-slack", type=release_slack_arg, default=None,
                     help="gpumem_hw only: how far reserved may exceed the live high water (default: "
                          "gpumem's, 0.005)")
     ap.add_argument("--bound", default="fraction", choices=("fraction", "device"),
@@ -737,8 +749,6 @@ def parse_args(argv=None):
         ap.error("--bound device: rmm is bounded by its pool's maximum size (--fraction) only")
     if args.release_slack is not None and args.allocator != "gpumem_hw":
         ap.error("--release-slack applies to gpumem_hw only")
-    if args.release_slack is not None and not 0 <= args.release_slack <= 1:
-        ap.error(f"--release-slack must be in [0, 1], got {args.release_slack}")
     if args.passes < 1:
         ap.error(f"--passes must be at least 1, got {args.passes}")
     if args.fraction is not None and not 0 < args.fraction <= 1:

@@ -39,6 +39,8 @@ import json
 import sys
 from pathlib import Path
 
+from pressure_workloads import release_slack_arg  # the same check as the GPU benches' (no torch)
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="*",
                     help="trace files (default: bench/traces/ and gpumem's bundled ones)")
     ap.add_argument("--release", default="lazy", choices=("lazy", "high_water"))
-    ap.add_argument("--release-slack", type=float, default=None, metavar="S",
+    ap.add_argument("--release-slack", type=release_slack_arg, default=None, metavar="S",
                     help="high_water's slack above the live high water (default gpumem's, 0.005)")
     ap.add_argument("--device-lag", default="0", metavar="OPS[,OPS...]",
                     help="the device runs OPS operations behind the replay; adds the waits; several: a row "
@@ -123,8 +125,6 @@ def main(argv=None) -> int:
                      f"({args.passes - 1})")
     if args.release_slack is not None and args.release != "high_water":
         ap.error("--release-slack applies to --release high_water")
-    if args.release_slack is not None and not 0 <= args.release_slack <= 1:
-        ap.error(f"--release-slack must be in [0, 1], got {args.release_slack}")
     lagged = any(lag > 0 for lag in lags)
     from gpumem.replay import bundled_traces
 

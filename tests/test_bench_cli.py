@@ -294,7 +294,7 @@ def test_remap_at_cap_takes_high_waters_slack(tmp_path):
     assert 1.0 < row["uncapped"]["fragmentation"] <= 1.035, row["uncapped"]
     for args, message in ((["--release-slack", "0.03"], "--release-slack applies to --release high_water"),
                           (["--release", "high_water", "--release-slack", "2"],
-                           "--release-slack must be in [0, 1], got 2.0")):
+                           "argument --release-slack: must be in [0, 1], got 2.0")):
         r = run([BENCH / "remap_at_cap.py", *args, trace], cwd=tmp_path)
         assert r.returncode == 2 and message in r.stderr, r.stderr
 

@@ -47,7 +47,9 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     (["--passes", "0"], "--passes must be at least 1"),
     (["--allocators", "native,gpumem", "--release-slack", "0.03"],
      "--release-slack applies to gpumem_hw, which --allocators does not name"),
-    (["--release-slack", "1.5"], "--release-slack must be in [0, 1], got 1.5"),
+    (["--release-slack", "1.5"], "argument --release-slack: must be in [0, 1], got 1.5"),
+    (["--release-slack", "nan"], "argument --release-slack: must be in [0, 1], got nan"),
+    (["--release-slack", "lots"], "argument --release-slack: must be a fraction in [0, 1], got 'lots'"),
     (["--bound", "device", "--allocators", "native,rmm"], "--bound device: rmm is bounded by its pool's"),
     (["--bound", "sky"], "argument --bound: invalid choice: 'sky'"),
 ])
@@ -203,7 +205,8 @@ def test_each_pass_has_its_own_step_time_and_the_slack_is_checked():
     only_hw = "--release-slack applies to gpumem_hw only"
     for args, message in ((["none", "--release-slack", "0.03"], only_hw),
                           (["gpumem", "--release-slack", "0.03"], only_hw),
-                          (["gpumem_hw", "--release-slack", "-0.1"], "--release-slack must be in [0, 1], got -0.1")):
+                          (["gpumem_hw", "--release-slack", "-0.1"],
+                           "argument --release-slack: must be in [0, 1], got -0.1")):
         r = run("allocfree", *args, "--device", "cpu", "--tiny", script="pressure_workloads.py")
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
 

@@ -40,6 +40,14 @@ class Model:
             assert a + n <= b, "live blocks overlap"
         for a, _ in spans:
             assert a % 512 == 0
+        # No physical page is visible to live blocks at two addresses: a unit the pool mapped a second
+        # time elsewhere (lent, stitched, parked) never backs two live blocks at once.
+        seen = {}
+        for a, n in spans:
+            for page in range(a // (2 * MiB) * (2 * MiB), a + n, 2 * MiB):
+                unit = self.device.physical_unit_at(page)
+                if unit[0]:
+                    assert seen.setdefault(unit, page) == page, "one physical page under live blocks at two addresses"
 
 
 def run_threads(work, n=4, timeout=120, hang="a thread did not finish"):

@@ -7,7 +7,8 @@ from gpumem import _C, parse_config
 def test_defaults():
     assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
                                 "release": "lazy", "release_slack": 0.005,
-                                "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True}
+                                "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True,
+                                "stitch": False}
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,8 @@ def test_defaults():
         ("gc_on_oom:false", "gc_on_oom", False),
         ("ipc:false", "ipc", False),
         ("ipc:On", "ipc", True),
+        ("stitch:true", "stitch", True),
+        ("stitch:0", "stitch", False),
         ("release_slack:0", "release_slack", 0.0),
         ("page_size:16MiB", "page_size", 16 << 20),
         (" Upstream : VMM , , release:high_water", "upstream", "vmm"),
@@ -36,7 +39,7 @@ def test_accepted(text, key, value):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc"),
+        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch"),
         ("release_slack:2", "release_slack='2' is not valid"),
         ("page_size:3MiB", "page_size='3MiB' is not valid; accepted: a multiple of 2MiB"),
         ("upstream:cuda", "upstream='cuda' is not valid; accepted: auto, vmm, segments"),
@@ -47,6 +50,7 @@ def test_accepted(text, key, value):
         ("release:sometimes", "accepted: lazy, high_water"),
         ("gc_on_oom:maybe", "accepted: true, false"),
         ("ipc:sometimes", "ipc='sometimes' is not valid; accepted: true, false"),
+        ("stitch:often", "stitch='often' is not valid; accepted: true, false"),
         ("upstream", "is not key:value"),
     ],
 )

@@ -9,14 +9,14 @@ from gpumem import _C
 from pool_model import GiB, MiB, Model, flat, random_size, run_threads
 
 
-@pytest.mark.parametrize("kind", ["vmm", "segments"])
+@pytest.mark.parametrize("kind, stitch", [("vmm", False), ("segments", False), ("vmm", True)])
 @pytest.mark.parametrize("release", ["high_water", "lazy"])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_randomized_operations_keep_every_invariant(kind, release, seed):
+def test_randomized_operations_keep_every_invariant(kind, stitch, release, seed):
     rng = random.Random(seed)
     device = _C.SimulatedDevice(kind, 4 * GiB)
     device.set_auto_complete(False)
-    pool = _C.Pool(device, release=release)
+    pool = _C.Pool(device, release=release, stitch=stitch)
     other = _C.Pool(_C.SimulatedDevice(kind, 1 * GiB), device=1)
     foreign = other.allocate(4096)
     m = Model(pool, device)

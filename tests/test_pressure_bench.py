@@ -397,13 +397,14 @@ def test_table_prints_a_dash_for_figures_a_result_lacks():
     assert table_line(text, "moe       native")[2:9] == ["1.2000", "1.154", "10.0", "1.111", "-", "-", "12.0"]
 
 
-def test_both_gpumem_policies_are_allocators_of_the_benchmark():
-    assert {"gpumem", "gpumem_hw"} <= set(ALLOCATORS)
-    assert GPUMEM_CONF == {"gpumem": "release:lazy", "gpumem_hw": "release:high_water"}
+def test_every_gpumem_configuration_is_an_allocator_of_the_benchmark():
+    assert {"gpumem", "gpumem_hw", "gpumem_stitch"} <= set(ALLOCATORS)
+    assert GPUMEM_CONF == {"gpumem": "release:lazy", "gpumem_hw": "release:high_water",
+                           "gpumem_stitch": "release:lazy,stitch:true"}
     r = run("--dry-run", "--workloads", "varlen")
     assert r.returncode == 0, r.stderr
-    assert "allocators native, expandable, async, gpumem, gpumem_hw (+rmm if it imports)" in r.stdout
-    assert "gpumem_hw: release:high_water" in " ".join(run("--help").stdout.split())
+    assert "allocators native, expandable, async, gpumem, gpumem_hw, gpumem_stitch (+rmm if it imports)" in r.stdout
+    assert "gpumem_hw: release:high_water; gpumem_stitch: release:lazy,stitch:true" in " ".join(run("--help").stdout.split())
 
 
 @dataclass

@@ -202,6 +202,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("unit_maps", &SimulatedDevice::unit_maps,
                              "Physical units mapped so far (new, kept or shared alike).")
       .def_property_readonly("unit_unmaps", &SimulatedDevice::unit_unmaps, "Physical units unmapped so far.")
+      .def_property_readonly("aliased_units", &SimulatedDevice::aliased_units,
+                             "Units mapped a second time onto memory already mapped elsewhere (map_from).")
+      .def("physical_unit_at", &SimulatedDevice::physical_unit_at, py::arg("address"),
+           "(unit, offset): which physical allocation backs the mapped page holding `address` (the same "
+           "number at every address mapped onto it; 0 where nothing is mapped) and the page's offset in it.")
       .def_property("lag", &SimulatedDevice::lag, &SimulatedDevice::set_lag,
                     "Host steps an event takes to complete (0: none, events complete when recorded). "
                     "A replay advances the clock once per operation.")
@@ -226,20 +231,23 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
-                       double release_slack, const py::int_& page_size, int device) {
+                       double release_slack, const py::int_& page_size, int device, bool stitch) {
              PoolOptions o;
              o.cap_bytes = to_size(cap, "cap");
              o.release = parse_release(release);
              o.release_slack = release_slack;
              o.large_page_bytes = to_size(page_size, "page_size");
              o.device = device;
+             o.stitch = stitch;
              return std::make_shared<Pool>(std::move(upstream), o);
            }),
            py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "lazy",
            py::arg("release_slack") = PoolOptions().release_slack,
            py::arg("page_size") = py::int_(kDefaultPageSize), py::arg("device") = 0,
+           py::arg("stitch") = PoolOptions().stitch,
            "A pool over `upstream`. page_size: bytes per page of large arenas on a paged upstream "
-           "(a multiple of its granularity; small arenas use the granularity).")
+           "(a multiple of its granularity; small arenas use the granularity). stitch: new pages past the "
+           "live high water backed by free blocks' units (GPUMEM_CONF stitch).")
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream, bool count_oom) {
              std::size_t bytes = to_size(size, "size");
@@ -458,6 +466,7 @@ PYBIND11_MODULE(_C, m) {
           d["page_size"] = c.page_size;
           d["gc_on_oom"] = c.gc_on_oom;
           d["ipc"] = c.ipc;
+          d["stitch"] = c.stitch;
           return d;
         },
         py::arg("text"), py::arg("source") = "GPUMEM_CONF",

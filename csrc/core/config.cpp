@@ -133,9 +133,11 @@ Config parse_config(const std::string& text, const std::string& source) {
       if (!parse_flag(value, &config.gc_on_oom)) bad(key, value, "true, false");
     } else if (key == "ipc") {
       if (!parse_flag(value, &config.ipc)) bad(key, value, "true, false");
+    } else if (key == "stitch") {
+      if (!parse_flag(value, &config.stitch)) bad(key, value, "true, false");
     } else {
       throw InvalidArgument(source + ": unknown key '" + key +
-                            "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc");
+                            "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch");
     }
   }
   return config;

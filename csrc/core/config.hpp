@@ -20,6 +20,7 @@ struct Config {
   // vmm upstream: create pages exportable as POSIX file descriptors, so that CUDA tensors can be
   // shared with other processes (torch.multiprocessing); false: plain pages, sharing refused.
   bool ipc = true;
+  bool stitch = PoolOptions().stitch;  // see PoolOptions (the main pools only; graph pools and MemPools never)
 };
 
 // @throws InvalidArgument naming the key and the accepted values.

@@ -25,9 +25,24 @@ PageRun PageMap::next_uniform_run(std::size_t from, std::size_t end) const {
 }
 
 std::size_t PageMap::count_unmapped(PageRun run) const {
-  std::size_t mapped = 0;
-  for (std::size_t p = run.first; p < std::min(run.end, mapped_.size()); ++p) mapped += mapped_[p] != kUnmapped;
-  return run.count() - mapped;
+  std::size_t n = 0;
+  for (std::size_t p = run.first; p < std::min(run.end, mapped_.size()); ++p) n += mapped(p);
+  return run.count() - n;
+}
+
+std::size_t PageMap::count_parked(PageRun run) const {
+  std::size_t n = 0;
+  for (std::size_t p = run.first; p < std::min(run.end, mapped_.size()); ++p) n += mapped_[p] == kParked;
+  return n;
+}
+
+PageRun PageMap::next_parked_run(std::size_t from, std::size_t end) const {
+  end = std::min(end, mapped_.size());
+  std::size_t first = std::min(from, end);
+  while (first < end && mapped_[first] != kParked) ++first;
+  std::size_t last = first;
+  while (last < end && mapped_[last] == kParked) ++last;
+  return PageRun{first, last};
 }
 
 PageRun PageMap::next_run(std::size_t from, std::size_t end, std::uint8_t state) const {
@@ -54,6 +69,18 @@ void PageMap::mark_unmapped(PageRun run) {
             mapped_.begin() + static_cast<std::ptrdiff_t>(run.end), kUnmapped);
   holes_ += run.count();  // mapped pages always lie below mapped_limit
   update_dense_end();
+}
+
+void PageMap::mark_parked(PageRun run) {
+  std::fill(mapped_.begin() + static_cast<std::ptrdiff_t>(run.first),
+            mapped_.begin() + static_cast<std::ptrdiff_t>(run.end), kParked);
+  holes_ += run.count();
+  update_dense_end();
+}
+
+void PageMap::mark_unparked(PageRun run) {
+  std::fill(mapped_.begin() + static_cast<std::ptrdiff_t>(run.first),
+            mapped_.begin() + static_cast<std::ptrdiff_t>(run.end), kUnmapped);
 }
 
 std::size_t PageMap::mapped_bytes_in(std::uintptr_t address, std::size_t bytes) const {
@@ -83,7 +110,8 @@ std::size_t PageMap::longest_mapped_run_in(std::uintptr_t address, std::size_t b
 }
 
 std::size_t PageMap::mapped_bytes() const {
-  return (mapped_.size() - static_cast<std::size_t>(std::count(mapped_.begin(), mapped_.end(), kUnmapped))) * page_;
+  return static_cast<std::size_t>(std::count_if(mapped_.begin(), mapped_.end(),
+                                                [](std::uint8_t f) { return f == kSingle || f == kCoarse; })) * page_;
 }
 
 const char* PageMap::inconsistency() const {
@@ -92,7 +120,9 @@ const char* PageMap::inconsistency() const {
   const auto limit = mapped_.begin() + static_cast<std::ptrdiff_t>(mapped_limit_);
   if (std::find_if(limit, mapped_.end(), [](std::uint8_t f) { return f != kUnmapped; }) != mapped_.end())
     return "mapped page above mapped_limit";
-  if (static_cast<std::size_t>(std::count(mapped_.begin(), limit, kUnmapped)) != holes_)
+  if (static_cast<std::size_t>(std::count_if(mapped_.begin(), limit, [](std::uint8_t f) {
+        return f == kUnmapped || f == kParked;
+      })) != holes_)
     return "hole count disagrees with the page map";
   if (dense_end_ != (holes_ == 0 ? base_ + mapped_limit_ * page_ : base_))
     return "the fast path's mapped bound disagrees with mapped_limit and holes";

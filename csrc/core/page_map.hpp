@@ -4,6 +4,9 @@
 // below mapped_limit). With them the allocation fast path (below_mapped_limit) is one comparison.
 // It never calls the upstream: the pool maps or unmaps pages, then records it here (mark_mapped /
 // mark_unmapped). Pages are indexed from the region's base; a PageRun is a half-open range of them.
+// A "parked" page is mapped by the driver to a physical unit that other pages of the region own
+// (Pool::Alias, pool_alias.cpp): for everything here it counts as unmapped (a hole, not reserved),
+// and the pool either takes the unit back for it without a driver call or unmaps it first.
 #pragma once
 
 #include <algorithm>
@@ -45,7 +48,11 @@ class PageMap {
   std::size_t pages() const { return pages_; }
   std::size_t mapped_limit() const { return mapped_limit_; }
   std::size_t holes() const { return holes_; }
-  bool mapped(std::size_t p) const { return p < mapped_.size() && mapped_[p] != kUnmapped; }
+  bool mapped(std::size_t p) const { return p < mapped_.size() && (mapped_[p] == kSingle || mapped_[p] == kCoarse); }
+  bool parked(std::size_t p) const { return p < mapped_.size() && mapped_[p] == kParked; }
+  std::size_t count_parked(PageRun run) const;
+  // The first run of parked pages in [from, end); an empty run at `end` when there is none.
+  PageRun next_parked_run(std::size_t from, std::size_t end) const;
   std::uintptr_t address_of(std::size_t p) const { return base_ + p * page_; }
   std::size_t bytes_of(PageRun run) const { return run.count() * page_; }
 
@@ -84,13 +91,17 @@ class PageMap {
     return run;
   }
 
-  // Records that the pages of `run`, all unmapped, are now mapped: holes below mapped_limit are
+  // Records that the pages of `run`, all unmapped or parked, are now mapped: holes below mapped_limit are
   // filled, the pages skipped between mapped_limit and the run become holes, and mapped_limit moves
   // to the run's end if it lies beyond.
   // `coarse`: the run is whole groups, mapped as group units.
   void mark_mapped(PageRun run, bool coarse = false);
   // Records that the pages of `run`, all mapped (so below mapped_limit), are unmapped: holes now.
   void mark_unmapped(PageRun run);
+  // Records that the mapped pages of `run` now alias a unit other pages own: holes, as unmapped ones.
+  void mark_parked(PageRun run);
+  // Records that the parked pages of `run` were unmapped by the driver (still holes).
+  void mark_unparked(PageRun run);
 
   // Bytes of [address, address + bytes) that lie on mapped pages.
   std::size_t mapped_bytes_in(std::uintptr_t address, std::size_t bytes) const;
@@ -115,7 +126,8 @@ class PageMap {
   std::size_t holes_ = 0;         // unmapped pages below mapped_limit
   // One flag per page up to the highest page ever mapped (pages past it are unmapped): a region
   // spans four times the device, and only what is used is allocated (and faulted in) on the host.
-  static constexpr std::uint8_t kUnmapped = 0, kSingle = 1, kCoarse = 2;  // kCoarse: part of a group unit
+  // kCoarse: part of a group unit; kParked: mapped by the driver to a unit other pages own (a hole here).
+  static constexpr std::uint8_t kUnmapped = 0, kSingle = 1, kCoarse = 2, kParked = 3;
   std::vector<std::uint8_t> mapped_;
   std::size_t pages_ = 0;
 };

@@ -69,6 +69,9 @@ Pool::~Pool() {
                  units = pages.next_uniform_run(units.end, run.end))
               upstream_->unmap(pages.address_of(units.first), pages.bytes_of(units), pages.unit_bytes(units.first));
           }
+          for (const auto& [position, alias] : region->aliases)  // parked: mapped, owned elsewhere
+            if (!alias.draining)
+              upstream_->unmap(pages.address_of(position), alias.pages * pages.page(), alias.pages * pages.page());
           upstream_->release_address_range(region->base, region->size);
         } else {
           notify(SegmentEvent::kSpanRemoved, region->base, region->size, arena->stream);

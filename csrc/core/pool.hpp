@@ -41,6 +41,10 @@
 //  - When the device refuses a map (memory outside the pool), the room it then had bounds the pool like
 //    the cap; the device is asked again before that room makes a block release cached pages, and the
 //    room grows if memory outside was freed (pool_release.cpp, learn_device_room).
+//  - Option stitch (off by default; pool_alias.cpp): past the live high water, a block's new pages are
+//    mapped onto the units of free blocks rather than new memory; their old positions stay mapped
+//    ("parked", counted as unmapped) and a later block there takes the unit back without a driver
+//    call while its new owner is free.
 //  - record_stream(ptr, S2) makes free() record an event on S2; the block is reused only after it.
 //  - allocate_at() carves a block at a given address out of free space (CUDA-graph checkpoints are
 //    restored by re-allocating blocks where they were); its code is in pool_allocate_at.cpp.
@@ -53,6 +57,7 @@
 //   pool_allocate_at.cpp     allocate_at: a block carved at a given address
 //   pool_release.cpp         giving memory back: make_room, release_cached, trim, the cap and limit
 //   pool_drain.cpp           draining pages: released pages unmapped once their stream's event completed
+//   pool_alias.cpp           option stitch: free units mapped under new blocks, parked positions taken back
 //   pool_introspection.cpp   stats, snapshot, largest free block, live-block queries, export, OOM text
 //   pool_validate.cpp        validate(), the invariant checker
 //   pool_debug.hpp           the validate-every-op check of debug builds (GPUMEM_VALIDATE_EVERY_OP)
@@ -65,6 +70,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -96,6 +102,13 @@ struct PoolOptions {
   // Paged upstreams: bytes per page of the large arenas (a multiple of the upstream's granularity;
   // 0 = the granularity). Small arenas always use the granularity.
   std::size_t large_page_bytes = kDefaultPageSize;
+  // Paged upstreams: keep the driver's mapping of a unit whose memory moved to another block (an alias,
+  // pool_alias.cpp), and back new pages past the live high water (+1%) with the units of free blocks
+  // rather than new memory; a block that later lands on such a position takes the unit back without
+  // a driver call when its new owner is free. Reserved stays near the live bytes without the releases
+  // of the high-water policy. Off by default: on the CPU replays it costs unmaps in steady steps where
+  // a position's unit is busy elsewhere (README, "Stitching").
+  bool stitch = false;
   int device = 0;             // only used in messages and to reject frees meant for another device
   // Shared with the other pools of a device, whose reserved bytes count against one limit
   // (set_limit); null: the pool has a budget of its own.
@@ -282,6 +295,17 @@ class Pool {
     Block* bin_prev = nullptr;
     Block* bin_next = nullptr;
   };
+  // Option stitch (pool_alias.cpp): a position of a paged region whose pages the driver maps to a
+  // physical unit that other pages of the region, its owner, hold: parked (PageMap: a hole, not
+  // reserved; a free block's unit stitched under a new block, or a lent draining block after its
+  // mark), taken back without a driver call when a block needs the position and the owner is free;
+  // or a draining block lent to the owner (map_from_draining), parked at its mark.
+  struct Alias {
+    std::size_t owner = 0;   // first page of the owner's unit
+    std::size_t pages = 0;   // pages of the unit (1, or a large arena's group)
+    std::uint64_t seq = 0;   // parked: a mark's free count; once done, the device is past its use here
+    bool draining = false;   // a lent draining block, not yet parked
+  };
   struct Region {
     std::uintptr_t base = 0;
     std::size_t size = 0;
@@ -293,6 +317,8 @@ class Pool {
     // mapped twice, counted once in `reserved` (mapped bytes - lent).
     std::size_t lent = 0;
     Block* first = nullptr;
+    std::map<std::size_t, Alias> aliases;                        // by first page of the alias
+    std::map<std::size_t, std::vector<std::size_t>> aliases_of;  // owner's first page -> its aliases
   };
   // An event recorded on an arena's stream when the pool's free count was `seq`: once it has
   // completed, the device is past the last use of every block freed by then (pool_drain.cpp).
@@ -375,6 +401,29 @@ class Pool {
   // draining blocks of the region (Upstream::map_from), without waiting for their marks: the region's
   // stream uses the new block only after the draining block's last use. Returns the bytes mapped.
   std::size_t map_from_draining(Region* region, PageRun run, std::size_t unit);
+  // pool_alias.cpp. The units of `source` (a draining block's pages) now back `target` (pages of the
+  // same count, `unit_pages` a unit): each becomes a draining alias of its target, which takes over
+  // its aliases.
+  void lend_aliases(Region* region, PageRun source, PageRun target, std::size_t unit_pages);
+  // At a lent draining block's mark: parks it when every unit still has its owner (true, nothing
+  // unmapped: the block is free on parked pages); false, with the alias records of its units
+  // dropped, when the caller must unmap it as before.
+  bool park_drained(Region* region, Block* block, std::uint64_t seq);
+  // Before the owned pages of `run` are unmapped: their parked aliases are unmapped (the device is
+  // past them: they were parked before the owner's last use) and their lent ones forgotten.
+  void drop_aliases_of(Region* region, PageRun run);
+  // The parked pages `block` (allocated, mapping its pages) touches: a unit whose owner lies wholly
+  // in free blocks is handed back (the owner's pages parked in turn: no driver call); the others are
+  // unmapped (after the device is past their last use) and mapped again as any unmapped page.
+  void take_back_parked(Block* block);
+  // Maps a prefix of the unmapped `run` (units of `unit` bytes) onto mapped units of the region's free
+  // blocks that the device is past, which are parked where they were: no new memory. Returns the
+  // bytes mapped.
+  std::size_t map_from_free(Region* region, PageRun run, std::size_t unit);
+  // Whether the pages `run` lie wholly in free blocks; *seq gets the latest free count among them.
+  bool run_is_free(const Region* region, PageRun run, std::uint64_t* seq) const;
+  void unmap_alias(Region* region, std::size_t position);  // a parked alias, at the driver, forgotten
+  void wait_done(Arena& arena, std::uint64_t seq);  // waits until the device is past free count `seq`
   // The seq of the mark after which pages of a block freed at `freed_seq` may be unmapped: done
   // already, an earlier mark's, or a new mark recorded now (throws if recording fails).
   std::uint64_t mark_after(Arena& arena, std::uint64_t freed_seq);

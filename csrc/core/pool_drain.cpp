@@ -102,8 +102,11 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     PageMap& pages = region->pages;
     const PageRun run = pages.touched(block->address, block->size);  // whole pages: exactly its own
     const PageRun span = notify_unmapping_run(region, run);  // span trackers hear before the unmap
+    bool parked = false;  // a lent block whose units' owners all hold them still (pool_alias.cpp)
     try {
-      upstream_->unmap(block->address, block->size, pages.unit_bytes(run.first));  // units of one size
+      if (lent && options_.stitch) parked = park_drained(region, block, it->seq);
+      else drop_aliases_of(region, run);  // its parked aliases go back with it
+      if (!parked) upstream_->unmap(block->address, block->size, pages.unit_bytes(run.first));  // units of one size
     } catch (const UpstreamError&) {
       notify_unmapped_run(region, run, span, false);  // the span is whole again
       if (lent) {
@@ -126,8 +129,10 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
       unmapped += block->size;
     }
     block->state = BlockInfo::kFree;
-    stats_.num_device_free++;
-    pages.mark_unmapped(run);
+    if (!parked) {
+      stats_.num_device_free++;
+      pages.mark_unmapped(run);
+    }
     notify(SegmentEvent::kUnmap, block->address, block->size, region->arena->stream);
     notify_unmapped_run(region, run, span, true);
     insert_free(block);
@@ -169,6 +174,9 @@ std::size_t Pool::map_from_draining(Region* region, PageRun run, std::size_t uni
     const std::size_t take = std::min(source->size, bytes - mapped);  // whole units: both are
     const std::uintptr_t address = pages.address_of(run.first) + mapped;
     if (!upstream_->map_from(address, source->address, take, unit)) break;  // fresh memory instead
+    const std::size_t page = pages.page();
+    const PageRun now{run.first + mapped / page, run.first + (mapped + take) / page};
+    if (options_.stitch) lend_aliases(region, pages.touched(source->address, take), now, unit / page);
     if (take < source->size) {  // the rest drains on, behind the same mark
       Block* rest = split_off(source, take);
       rest->state = BlockInfo::kDraining;
@@ -177,8 +185,6 @@ std::size_t Pool::map_from_draining(Region* region, PageRun run, std::size_t uni
     draining_[i].lent = true;
     draining_bytes_ -= take;
     region->lent += take;
-    const std::size_t page = pages.page();
-    const PageRun now{run.first + mapped / page, run.first + (mapped + take) / page};
     stats_.num_device_alloc++;
     pages.mark_mapped(now, unit > page);
     notify(SegmentEvent::kMap, address, take, region->arena->stream);

@@ -149,8 +149,13 @@ bool Pool::ensure_mapped(Block* block) {
   PageMap& pages = region->pages;
   if (pages.below_mapped_limit(block->address, block->size)) return true;
   const PageRun touched = pages.touched(block->address, block->size);
-  const std::size_t missing = pages.count_unmapped(touched);
+  std::size_t missing = pages.count_unmapped(touched);
   if (missing == 0) return true;
+  if (!region->aliases.empty()) {  // parked pages (stitch): taken back, or unmapped (pool_alias.cpp)
+    take_back_parked(block);
+    missing = pages.count_unmapped(touched);
+    if (missing == 0) return true;
+  }
   const PageRun groups = pages.widened(touched);
   // A room the device taught the pool earlier may have grown since (memory outside it freed): asked
   // again before it makes this block release cached pages (before any unit is kept for the map).
@@ -194,6 +199,10 @@ bool Pool::ensure_mapped(Block* block) {
     const std::size_t unit = coarse ? group * pages.page() : pages.page();
     if (!draining_.empty()) {  // make_room may have started more: any of the region's will do
       run.first += map_from_draining(region, run, unit) / pages.page();
+      if (run.empty()) return true;
+    }
+    if (options_.stitch) {  // free blocks' units, parked where they were (pool_alias.cpp)
+      run.first += map_from_free(region, run, unit) / pages.page();
       if (run.empty()) return true;
     }
     const std::uintptr_t address = pages.address_of(run.first);

@@ -1,6 +1,6 @@
 // The invariant checker, validate(): every block of every region (links, coverage, alignment, merged
 // free neighbours, allocation state), the free index, the address map of live blocks, each paged
-// region's page map, the pending frees, and every statistic against what the blocks say. Also the
+// region's page map and aliases, the pending frees, and every statistic against what the blocks say. Also the
 // validate-every-op check of debug builds (pool_debug.hpp). pool.hpp lists every file.
 #include <algorithm>
 #include <cstdio>
@@ -41,6 +41,32 @@ void Pool::validate_locked() const {
         fail("a region of segments lends pages");
       }
       if (region_reserved != region->reserved) fail("region reserved bytes disagree with its pages");
+      if (!region->paged && !region->aliases.empty()) fail("a region of segments has aliases");
+      if (region->paged) {  // aliases (pool_alias.cpp)
+        const PageMap& pages = region->pages;
+        std::size_t parked_pages = 0, listed = 0;
+        for (const auto& [position, alias] : region->aliases) {
+          const PageRun mine{position, position + alias.pages}, owner{alias.owner, alias.owner + alias.pages};
+          if (alias.pages == 0 || position % alias.pages || alias.owner % alias.pages || mine.end > pages.pages())
+            fail("an alias is not a whole unit");
+          if (alias.draining ? pages.count_unmapped(mine) != 0 : pages.count_parked(mine) != alias.pages)
+            fail("an alias's pages are neither mapped (lent, draining) nor parked");
+          if (!alias.draining) parked_pages += alias.pages;
+          if (pages.count_unmapped(owner) != 0 || pages.unit_bytes(owner.first) != alias.pages * pages.page())
+            fail("an alias's owner is not a mapped unit of its size");
+          if (region->aliases.count(alias.owner)) fail("an alias's owner is an alias itself");
+          const auto list = region->aliases_of.find(alias.owner);
+          if (list == region->aliases_of.end() ||
+              std::find(list->second.begin(), list->second.end(), position) == list->second.end())
+            fail("an alias missing from its owner's list");
+        }
+        for (const auto& [owner, list] : region->aliases_of) {
+          if (list.empty()) fail("an owner's list of aliases is empty");
+          listed += list.size();
+        }
+        if (listed != region->aliases.size()) fail("owners list aliases that do not exist, or twice");
+        if (pages.count_parked({0, pages.mapped_limit()}) != parked_pages) fail("a parked page without an alias");
+      }
 
       reserved += static_cast<std::int64_t>(region->reserved);
       segments += region->reserved > 0;

@@ -93,6 +93,10 @@ class SimulatedDevice : public Upstream {
   // Units map_from() mapped a second time (no new memory), and those now mapped at two addresses.
   std::uint64_t aliased_units() const { return aliased_units_; }
   std::size_t units_mapped_twice() const;
+  // Which physical allocation backs the mapped page holding `address`, and the page's offset in it:
+  // the same number for every address mapped onto one (map_from), 0 where nothing is mapped. For
+  // tests: live blocks must never see one unit's same offset at two addresses.
+  std::pair<std::uint64_t, std::size_t> physical_unit_at(std::uintptr_t address) const;
 
  private:
   bool inject_fault();

@@ -112,6 +112,9 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, Relea
   options.release = release;
   options.release_slack = cfg.release_slack;
   options.large_page_bytes = cfg.page_size;
+  // Graph pools and MemPools never stitch: unmapping a parked page may wait for the device, which a
+  // stream capture forbids.
+  options.stitch = cfg.stitch && id == kDefaultPool;
   options.device = device;
   options.budget = devices_[device].budget;  // one limit for all the device's pools, as torch's
   auto pool = std::make_unique<Pool>(std::move(upstream), options);

@@ -12,6 +12,10 @@ Keys (comma separated, ``key:value`` or ``key=value``):
 ``gc_on_oom``  ``true`` (default: run ``gc.collect()`` before failing an allocation) or ``false``
 ``ipc``        vmm: ``true`` (default: pages are created shareable as file descriptors, so CUDA tensors can
                go to other processes) or ``false`` (plain pages; sharing a tensor raises, naming this key)
+``stitch``     vmm: ``false`` (default) or ``true``: new pages past the live high water (+1%) are backed by
+               the memory of free cached pages elsewhere, whose old positions stay mapped for a block that
+               lands there later (no driver call while that memory is free again): reserved stays near
+               live without releasing; costs unmaps where such a position's memory is in use elsewhere
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """
@@ -34,6 +38,7 @@ class Config(TypedDict):
     page_size: int  # bytes per physical page of large arenas, a multiple of 2 MiB (8 MiB)
     gc_on_oom: bool  # run gc.collect() before failing an allocation
     ipc: bool  # vmm: pages shareable with other processes (POSIX file descriptor handles)
+    stitch: bool  # vmm: new pages past the live high water backed by free cached pages' memory
 
 
 def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:

@@ -103,6 +103,7 @@ def replay(
     passes: int = 1,
     held_elsewhere: int = 0,
     elsewhere_freed_after: Optional[int] = None,
+    stitch: bool = False,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -118,7 +119,9 @@ def replay(
     repeat (``ReplayReport.passes``). ``held_elsewhere`` bytes of the device are held outside the pool
     (another process, a library's own ``cudaMalloc``): the pool meets the device's end without a cap or
     a limit telling it where that is, as on a shared GPU (``bench/pressure.py --bound device``); with
-    ``elsewhere_freed_after=K`` that memory goes back to the device after the K-th pass.
+    ``elsewhere_freed_after=K`` that memory goes back to the device after the K-th pass. ``stitch`` turns on
+    the pool's option of that name (``GPUMEM_CONF`` ``stitch:true``: new pages past the live high water
+    backed by free blocks' memory).
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
@@ -141,7 +144,7 @@ def replay(
     device.lag = device_lag
     device.held_elsewhere = held_elsewhere
     options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
-    pool = _C.Pool(device, release=release, page_size=page_size, **options)
+    pool = _C.Pool(device, release=release, page_size=page_size, stitch=bool(stitch), **options)
     if limit is not None:
         pool.set_limit(limit)
     clock = device if device_lag else None

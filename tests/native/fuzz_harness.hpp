@@ -30,14 +30,15 @@ class Harness {
     // default's 8 MiB on 2 MiB). The OOM-justification model still counts single pages: the pool
     // maps no more than the pages a block touches when whole groups would not fit.
     o.large_page_bytes = (b0 & 32) ? 4 * page_ : page_;
+    o.stitch = (b0 & 64) != 0;  // Bit 6: free units stitched under new blocks, parked positions (pool_alias.cpp)
     pool_ = std::make_unique<Pool>(dev_, o);
     pool_->add_oom_callback([this] { on_oom(); });
     dev_->spans = &spans_;
     pool_->set_segment_observer([this](SegmentEvent e, std::uintptr_t a, std::size_t n, StreamId) { on_span(e, a, n); });
-    describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d",
+    describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d stitch=%d",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
              release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, o.large_page_bytes,
-             capacity_, cap_, int(dev_->auto_complete()));
+             capacity_, cap_, int(dev_->auto_complete()), int(o.stitch));
     check_state();
   }
 

@@ -1,0 +1,107 @@
+"""The pool's stitch option (GPUMEM_CONF stitch:true, core/pool_alias.cpp) on the simulated device:
+new pages past the live high water backed by free blocks' units, their old positions parked and
+handed back without a driver call, unmapped where their unit is in use, and all of it given back.
+The randomized test with the invariant checker runs with the option too (tests/test_pool.py)."""
+import gzip
+from pathlib import Path
+
+import pytest
+
+import gpumem
+from gpumem import _C
+from pool_model import GiB, MiB, flat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pool(stitch):
+    device = _C.SimulatedDevice("vmm", 8 * GiB)
+    return device, _C.Pool(device, stitch=stitch)
+
+
+def _reserved(pool):
+    return flat(pool.stats(), "reserved_bytes")
+
+
+def _hole_then_larger(stitch):
+    """64 MiB freed between live blocks, then a 96 MiB block that does not fit in the hole."""
+    device, pool = _pool(stitch)
+    a = pool.allocate(64 * MiB)
+    sep = pool.allocate(8 * MiB)
+    pool.free(a)
+    c = pool.allocate(96 * MiB)
+    pool.validate()
+    return device, pool, a, sep, c
+
+
+def test_a_block_past_the_high_water_is_backed_by_the_free_hole_not_new_memory():
+    device, pool, a, sep, c = _hole_then_larger(stitch=False)
+    assert _reserved(pool) == device.used_bytes == 168 * MiB  # the hole stays cached, 96 MiB new
+    device, pool, a, sep, c = _hole_then_larger(stitch=True)
+    # The hole's eight 8 MiB units back the block's first 64 MiB: reserved is what is live.
+    assert _reserved(pool) == device.used_bytes == 104 * MiB
+    assert device.aliased_units == 8
+    assert {device.physical_unit_at(c + i * 8 * MiB)[0] for i in range(8)} == \
+        {device.physical_unit_at(a + i * 8 * MiB)[0] for i in range(8)}
+    assert pool.largest_free_block() == 0  # the hole is parked: no memory of its own
+
+
+def test_a_block_back_in_the_hole_takes_its_units_back_without_a_driver_call():
+    """The hole's units back c; c freed, a block in the hole takes them back (no map, no unmap), and a
+    block where c was finds them in use: its parked pages are unmapped and backed anew."""
+    device, pool, a, sep, c = _hole_then_larger(stitch=True)
+    maps, unmaps, used = device.unit_maps, device.unit_unmaps, device.used_bytes
+    units_under_c = [device.physical_unit_at(c + i * 8 * MiB) for i in range(8)]
+    pool.free(c)
+    # allocate_at, as a CUDA-graph checkpoint restore does; allocate() would take the mapped free
+    # block where c was (Pool::fewest_unmapped_fit counts parked pages as unmapped).
+    again = pool.allocate_at(a, 64 * MiB)
+    pool.validate()
+    assert (device.unit_maps, device.unit_unmaps, device.used_bytes) == (maps, unmaps, used)
+    assert _reserved(pool) == 104 * MiB
+    assert [device.physical_unit_at(again + i * 8 * MiB) for i in range(8)] == units_under_c
+    # Where the 96 MiB block was, its first 64 MiB are parked now, on units the live block holds: a
+    # block there needs them unmapped and new memory (no unit backs two live blocks).
+    c2 = pool.allocate(96 * MiB)
+    pool.validate()
+    assert c2 == c
+    assert device.unit_unmaps == unmaps + 8
+    assert _reserved(pool) == device.used_bytes == 168 * MiB
+    units = {device.physical_unit_at(p) for p in range(c2, c2 + 96 * MiB, 2 * MiB)}
+    assert not units & {device.physical_unit_at(p) for p in range(a, a + 64 * MiB, 2 * MiB)}
+
+
+def test_everything_goes_back_to_the_device_with_parked_positions():
+    device, pool, a, sep, c = _hole_then_larger(stitch=True)
+    pool.free(c)
+    pool.free(sep)
+    assert pool.trim() > 0
+    pool.validate()
+    assert _reserved(pool) == device.used_bytes == 0  # the parked mappings went with their owners
+    device, pool, a, sep, c = _hole_then_larger(stitch=True)
+    del pool  # with blocks live and positions parked: the destructor unmaps every mapping
+    assert device.used_bytes == 0
+
+
+def test_the_option_reaches_the_pool_from_the_configuration_string():
+    assert gpumem.parse_config("stitch:true")["stitch"] is True
+    assert gpumem.parse_config("")["stitch"] is False
+    with pytest.raises(ValueError, match="stitch='often' is not valid; accepted: true, false"):
+        gpumem.parse_config("stitch:often")
+
+
+@pytest.mark.parametrize("trace, lazy_at_least, stitched_at_most", [
+    (ROOT / "bench" / "traces" / "bert.trace.gz", 1.2, 1.02),
+    (ROOT / "bench" / "traces" / "varlen.trace.gz", 1.1, 1.01),
+    (ROOT / "python" / "gpumem" / "traces" / "gpt_varlen.trace.gz", 1.01, 1.01),
+])
+def test_stitched_replays_stay_near_their_live_bytes(trace, lazy_at_least, stitched_at_most):
+    """On a device 100 operations behind the host, uncapped: lazy keeps the holes its varying shapes
+    leave; stitched, the peak reserved stays within 1-2% of the peak live bytes (README: Stitching)."""
+    gzip.open(trace).read(1)  # a readable trace, not a Git LFS pointer
+    lazy = gpumem.replay(trace, device_lag=100)
+    stitched = gpumem.replay(trace, device_lag=100, stitch=True)
+    assert lazy.ooms == stitched.ooms == 0
+    assert lazy.fragmentation > lazy_at_least
+    assert stitched.fragmentation <= stitched_at_most
+    assert stitched.peak_live_bytes == lazy.peak_live_bytes

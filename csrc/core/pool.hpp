@@ -417,9 +417,10 @@ class Pool {
   // unmapped (after the device is past their last use) and mapped again as any unmapped page.
   void take_back_parked(Block* block);
   // Maps a prefix of the unmapped `run` (units of `unit` bytes) onto mapped units of the region's free
-  // blocks that the device is past, which are parked where they were: no new memory. Returns the
-  // bytes mapped.
-  std::size_t map_from_free(Region* region, PageRun run, std::size_t unit);
+  // blocks, past the live high water only, which are parked where they were: no new memory. Units
+  // inside `keep_out` (the groups the block being mapped touches) are not taken. Returns the bytes
+  // mapped.
+  std::size_t map_from_free(Region* region, PageRun run, std::size_t unit, PageRun keep_out);
   // Whether the pages `run` lie wholly in free blocks; *seq gets the latest free count among them.
   bool run_is_free(const Region* region, PageRun run, std::uint64_t* seq) const;
   void unmap_alias(Region* region, std::size_t position);  // a parked alias, at the driver, forgotten

@@ -157,7 +157,10 @@ void Pool::take_back_parked(Block* block) {
     const PageRun owner{alias.owner, alias.owner + alias.pages};
     std::uint64_t seq = 0;  // the last free of the owner's pages
     Arena& arena = *region->arena;
-    if (run_is_free(region, owner, &seq)) {
+    // An owner inside the groups the block touches stays where it is: parked there, its pages would
+    // count as unmapped in a group ensure_mapped may then map whole, over the parked mapping.
+    const bool owner_outside = owner.end <= touched.first || owner.first >= touched.end;
+    if (owner_outside && run_is_free(region, owner, &seq)) {
       const PageRun span = notify_unmapping_run(region, owner);
       notify(SegmentEvent::kUnmap, pages.address_of(owner.first), pages.bytes_of(owner), stream);
       pages.mark_parked(owner);
@@ -179,7 +182,7 @@ void Pool::take_back_parked(Block* block) {
   }
 }
 
-std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit) {
+std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit, PageRun keep_out) {
   PageMap& pages = region->pages;
   const std::size_t page = pages.page(), unit_pages = unit / page, bytes = pages.bytes_of(run);
   const StreamId stream = region->arena->stream;
@@ -194,6 +197,7 @@ std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit) {
     for (std::size_t p = (inside.first + unit_pages - 1) / unit_pages * unit_pages;
          p + unit_pages <= inside.end && mapped < bytes; p += unit_pages) {
       const PageRun source{p, p + unit_pages};
+      if (source.end > keep_out.first && source.first < keep_out.end) continue;  // see take_back_parked
       if (pages.count_unmapped(source) != 0 || pages.unit_bytes(p) != unit) continue;
       const PageRun target{run.first + mapped / page, run.first + mapped / page + unit_pages};
       if (!upstream_->map_from(pages.address_of(target.first), pages.address_of(p), unit, unit)) return mapped;

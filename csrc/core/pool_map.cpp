@@ -202,7 +202,7 @@ bool Pool::ensure_mapped(Block* block) {
       if (run.empty()) return true;
     }
     if (options_.stitch) {  // free blocks' units, parked where they were (pool_alias.cpp)
-      run.first += map_from_free(region, run, unit) / pages.page();
+      run.first += map_from_free(region, run, unit, groups) / pages.page();
       if (run.empty()) return true;
     }
     const std::uintptr_t address = pages.address_of(run.first);

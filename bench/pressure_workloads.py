@@ -22,8 +22,8 @@ WORKLOAD   allocfree  torch.empty + free from Python, sizes 256 B to 64 MiB, at 
 ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gpumem (release:lazy, the
            default) | gpumem_hw (GPUMEM_CONF=release:high_water: cached pages released before reserving
            past the live high water) | gpumem_stitch (release:lazy,stitch:true: new pages past the live
-           high water backed by free cached pages' memory) | rmm (RAPIDS RMM's pool through rmm_torch_allocator, capped by its
-           maximum pool size) | none (CPU only)
+           high water backed by free cached pages' memory) | rmm (RAPIDS RMM's pool through
+           rmm_torch_allocator, capped by its maximum pool size) | none (CPU only)
 
 --fraction F caps the run with torch.cuda.set_per_process_memory_fraction(F) (rmm: a pool of at most
 F * total bytes). A step that raises an out-of-memory error counts as one OOM step and the run goes on
@@ -73,7 +73,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALLOCATORS = ("native", "expandable", "async", "gpumem", "gpumem_hw", "gpumem_stitch", "rmm")
 TORCH_ALLOC_CONF = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
-# gpumem's two release policies; set explicitly, so a GPUMEM_CONF of the caller's shell changes nothing.
+# gpumem's two release policies and the stitch option; set explicitly, so a GPUMEM_CONF of the caller's
+# shell changes nothing.
 GPUMEM_CONF = {"gpumem": "release:lazy", "gpumem_hw": "release:high_water",
                "gpumem_stitch": "release:lazy,stitch:true"}
 WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", "ckpt")

@@ -421,6 +421,9 @@ class Pool {
   // inside `keep_out` (the groups the block being mapped touches) are not taken. Returns the bytes
   // mapped.
   std::size_t map_from_free(Region* region, PageRun run, std::size_t unit, PageRun keep_out);
+  // The unit mapped at `from` (the driver maps it at `to` as well) is owned at `to` from now: `from`
+  // parked behind the mark `seq`, `to` mapped, the unit's aliases moved to it, with the span events.
+  void move_unit(Region* region, PageRun from, PageRun to, std::uint64_t seq);
   // Whether the pages `run` lie wholly in free blocks; *seq gets the latest free count among them.
   bool run_is_free(const Region* region, PageRun run, std::uint64_t* seq) const;
   void unmap_alias(Region* region, std::size_t position);  // a parked alias, at the driver, forgotten
@@ -429,6 +432,9 @@ class Pool {
   // already, an earlier mark's, or a new mark recorded now (throws if recording fails).
   std::uint64_t mark_after(Arena& arena, std::uint64_t freed_seq);
   void poll_marks(Arena& arena);  // moves done_seq past the marks that have completed (never waits)
+  // Waits for the arena's earliest mark of `seq` or later (its stream if none is recorded), then
+  // moves done_seq to at least `seq`: the device is past every block freed by then.
+  void wait_for_mark(Arena& arena, std::uint64_t seq);
   // Takes the whole pages [address, address + bytes) out of the free block `free_block` holding them
   // as a draining block behind the mark `seq`; the pieces before and after stay free.
   Block* start_draining(Block* free_block, std::uintptr_t address, std::size_t bytes, std::uint64_t seq);

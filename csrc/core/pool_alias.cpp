@@ -65,6 +65,22 @@ void forget_alias(Region* region, std::size_t position) {
 }
 }  // namespace
 
+void Pool::move_unit(Region* region, PageRun from, PageRun to, std::uint64_t seq) {
+  PageMap& pages = region->pages;
+  const StreamId stream = region->arena->stream;
+  const PageRun span = notify_unmapping_run(region, from);
+  notify(SegmentEvent::kUnmap, pages.address_of(from.first), pages.bytes_of(from), stream);
+  pages.mark_parked(from);
+  notify_unmapped_run(region, from, span, true);
+  pages.mark_mapped(to, to.count() > 1);
+  notify(SegmentEvent::kMap, pages.address_of(to.first), pages.bytes_of(to), stream);
+  notify_mapped_run(region, to);
+  forget_alias(region, to.first);  // `to` was parked on this unit (taken back), or unmapped
+  move_owner(region, from.first, to.first);
+  region->aliases[from.first] = Alias{to.first, to.count(), seq, false};
+  region->aliases_of[to.first].push_back(from.first);
+}
+
 void Pool::lend_aliases(Region* region, PageRun source, PageRun target, std::size_t unit_pages) {
   for (std::size_t i = 0; i < source.count(); i += unit_pages) {
     const std::size_t from = source.first + i, to = target.first + i;
@@ -132,14 +148,7 @@ bool Pool::run_is_free(const Region* region, PageRun run, std::uint64_t* seq) co
 void Pool::wait_done(Arena& arena, std::uint64_t seq) {
   poll_marks(arena);
   if (seq <= arena.done_seq) return;
-  const std::uint64_t mark_seq = mark_after(arena, seq);
-  const auto mark = std::find_if(arena.marks.begin(), arena.marks.end(),
-                                 [&](const Mark& m) { return m.seq >= mark_seq; });
-  if (mark != arena.marks.end()) upstream_->wait_event(mark->event);
-  else upstream_->synchronize(arena.stream);
-  stats_.num_sync_all_streams++;
-  poll_marks(arena);
-  arena.done_seq = std::max(arena.done_seq, mark_seq);
+  wait_for_mark(arena, mark_after(arena, seq));
 }
 
 void Pool::take_back_parked(Block* block) {
@@ -147,7 +156,6 @@ void Pool::take_back_parked(Block* block) {
   PageMap& pages = region->pages;
   // The groups it touches: a wholly unmapped group may be mapped whole (ensure_mapped).
   const PageRun touched = pages.widened(pages.touched(block->address, block->size));
-  const StreamId stream = region->arena->stream;
   for (PageRun run = pages.next_parked_run(touched.first, touched.end); !run.empty();) {
     auto it = region->aliases.upper_bound(run.first);
     --it;  // the alias holding page run.first (a parked page always has one)
@@ -161,19 +169,9 @@ void Pool::take_back_parked(Block* block) {
     // count as unmapped in a group ensure_mapped may then map whole, over the parked mapping.
     const bool owner_outside = owner.end <= touched.first || owner.first >= touched.end;
     if (owner_outside && run_is_free(region, owner, &seq)) {
-      const PageRun span = notify_unmapping_run(region, owner);
-      notify(SegmentEvent::kUnmap, pages.address_of(owner.first), pages.bytes_of(owner), stream);
-      pages.mark_parked(owner);
-      notify_unmapped_run(region, owner, span, true);
-      pages.mark_mapped(mine, alias.pages > 1);
-      notify(SegmentEvent::kMap, pages.address_of(mine.first), pages.bytes_of(mine), stream);
-      notify_mapped_run(region, mine);
       // The unit is owned here now; its old owner is one of its parked aliases, behind a mark of its
       // last use (recorded now if none covers it: unmapping it later waits at most for that).
-      move_owner(region, owner.first, position);
-      forget_alias(region, position);
-      region->aliases[owner.first] = Alias{position, alias.pages, mark_after(arena, seq), false};
-      region->aliases_of[position].push_back(owner.first);
+      move_unit(region, owner, mine, mark_after(arena, seq));
     } else {
       wait_done(arena, alias.seq);
       unmap_alias(region, position);
@@ -185,7 +183,6 @@ void Pool::take_back_parked(Block* block) {
 std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit, PageRun keep_out) {
   PageMap& pages = region->pages;
   const std::size_t page = pages.page(), unit_pages = unit / page, bytes = pages.bytes_of(run);
-  const StreamId stream = region->arena->stream;
   // Only past the allowance: below it, new memory costs the steady steps nothing, and every unit
   // stitched is a position that a later block may find parked on a busy unit (an unmap, a wait).
   const double allowance = static_cast<double>(live_high_water_) * (1.0 + kStitchSlack);
@@ -200,20 +197,13 @@ std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit, P
       if (source.end > keep_out.first && source.first < keep_out.end) continue;  // see take_back_parked
       if (pages.count_unmapped(source) != 0 || pages.unit_bytes(p) != unit) continue;
       const PageRun target{run.first + mapped / page, run.first + mapped / page + unit_pages};
-      if (!upstream_->map_from(pages.address_of(target.first), pages.address_of(p), unit, unit)) return mapped;
-      const PageRun span = notify_unmapping_run(region, source);
-      notify(SegmentEvent::kUnmap, pages.address_of(p), unit, stream);
-      pages.mark_parked(source);
-      notify_unmapped_run(region, source, span, true);
-      stats_.num_device_alloc++;
-      pages.mark_mapped(target, unit_pages > 1);
-      notify(SegmentEvent::kMap, pages.address_of(target.first), unit, stream);
-      notify_mapped_run(region, target);
-      move_owner(region, p, target.first);
       // The mark recorded now (or an earlier one) is what unmapping this position waits for, if it
-      // has not completed by then: recorded at need time instead, it would wait for all the work queued.
-      region->aliases[p] = Alias{target.first, unit_pages, mark_after(*region->arena, b->freed_seq), false};
-      region->aliases_of[target.first].push_back(p);
+      // has not completed by then: recorded at need time instead, it would wait for all the work
+      // queued. Recorded before the map, so that a failure to record leaves nothing mapped.
+      const std::uint64_t seq = mark_after(*region->arena, b->freed_seq);
+      if (!upstream_->map_from(pages.address_of(target.first), pages.address_of(p), unit, unit)) return mapped;
+      stats_.num_device_alloc++;
+      move_unit(region, source, target, seq);
       mapped += unit;
     }
   }

@@ -44,6 +44,19 @@ void Pool::poll_marks(Arena& arena) {
   }
 }
 
+void Pool::wait_for_mark(Arena& arena, std::uint64_t seq) {
+  const auto mark = std::find_if(arena.marks.begin(), arena.marks.end(),
+                                 [&](const Mark& m) { return m.seq >= seq; });
+  if (mark != arena.marks.end()) {
+    upstream_->wait_event(mark->event);
+  } else {  // never (validate() checks that the mark is there); if it were, the stream is the bound
+    upstream_->synchronize(arena.stream);
+  }
+  stats_.num_sync_all_streams++;
+  poll_marks(arena);
+  arena.done_seq = std::max(arena.done_seq, seq);
+}
+
 std::uint64_t Pool::mark_after(Arena& arena, std::uint64_t freed_seq) {
   poll_marks(arena);
   if (freed_seq <= arena.done_seq) return freed_seq;
@@ -75,21 +88,8 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     else if (!earliest || (earliest->lent && !d.lent) || (earliest->lent == d.lent && d.seq < earliest->seq))
       earliest = &d;
   }
-  if (!any_done && wait_oldest && earliest) {
-    Arena& arena = *earliest->block->region->arena;
-    const std::uint64_t seq = earliest->seq;
-    // Its mark is still recorded (done_seq is below it): wait for it, the least wait that frees pages.
-    const auto mark = std::find_if(arena.marks.begin(), arena.marks.end(),
-                                   [&](const Mark& m) { return m.seq >= seq; });
-    if (mark != arena.marks.end()) {
-      upstream_->wait_event(mark->event);
-    } else {  // never (validate() checks that the mark is there); if it were, the stream is the bound
-      upstream_->synchronize(arena.stream);
-    }
-    stats_.num_sync_all_streams++;
-    poll_marks(arena);
-    arena.done_seq = std::max(arena.done_seq, seq);
-  }
+  // Its mark is still recorded (done_seq is below it): wait for it, the least wait that frees pages.
+  if (!any_done && wait_oldest && earliest) wait_for_mark(*earliest->block->region->arena, earliest->seq);
   std::size_t unmapped = 0;
   for (auto it = draining_.begin(); it != draining_.end();) {
     Block* block = it->block;

@@ -423,6 +423,15 @@ void GpumemAllocator::emptyCache(c10::MempoolId_t mempool_id) { empty_cache_impl
 void GpumemAllocator::emptyCache() { empty_cache_impl(kDefaultPool); }
 #endif
 
+void GpumemAllocator::trim_main_pool(int device, bool relaxed_mode) {
+  Pool* pool = main_pool_if_created(device);
+  if (!pool) return;
+  MaybeRelaxed relaxed(relaxed_mode);
+  DeviceSwitch on(device);
+  pool->process_events();
+  pool->trim();
+}
+
 void GpumemAllocator::empty_cache_impl(MempoolId mempool_id) {
   flush_deferred();
   const bool routing = routing_count_.load(std::memory_order_acquire) > 0;
@@ -430,18 +439,8 @@ void GpumemAllocator::empty_cache_impl(MempoolId mempool_id) {
   std::optional<CallContextScope> scope;
   if (C10_UNLIKELY(tracing_.load(std::memory_order_relaxed)))
     scope.emplace(gather_context(CCA::RecordContext::ALL));
-  if (mempool_id == kDefaultPool) {
-    for (int d = 0; d < kMaxDevices; ++d) {
-      Pool* pool = main_pool_if_created(d);
-      if (!pool) continue;
-      translate([&] {
-        MaybeRelaxed relaxed(routing);
-        DeviceSwitch on(d);
-        pool->process_events();
-        pool->trim();
-      });
-    }
-  }
+  if (mempool_id == kDefaultPool)
+    for (int d = 0; d < kMaxDevices; ++d) translate([&] { trim_main_pool(d, routing); });
   // Private pools: only those no graph or MemPool uses any more; their memory is the graph's otherwise.
   for (auto& pp : private_pools_of(-1)) {
     if (mempool_id != kDefaultPool && pp->id != mempool_id) continue;

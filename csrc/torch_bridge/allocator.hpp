@@ -317,6 +317,10 @@ class GpumemAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   bool defer_if_recorded(void* ptr);
   void flush_deferred();
   void empty_cache_impl(MempoolId mempool_id);
+  // Gives `device`'s main pool's cached memory back (nothing when it was never created), in relaxed
+  // capture mode when `relaxed_mode` (a capture may be underway on another thread): empty_cache(),
+  // and a private pool that ran out (reclaim_for_private_pool).
+  void trim_main_pool(int device, bool relaxed_mode);
   // The pool that handed out the live block at `p` (main pools, then private pools) and its device,
   // or null: one lookup for getBaseAllocation, recordStream and shareIpcHandle.
   Pool* owning_pool(std::uintptr_t p, int* device = nullptr);

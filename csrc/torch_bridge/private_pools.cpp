@@ -116,14 +116,9 @@ void GpumemAllocator::reclaim_for_private_pool(int device) {
   // from the current stream (malloc_on), so its capture status is the allocation's.
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
   run_oom_callbacks(device, config().gc_on_oom);
-  if (Pool* main = main_pool_if_created(device)) {
-    // Another thread may be capturing: the main pool's release runs in relaxed mode, as
-    // empty_cache() does (its pages were free, so no capture uses them).
-    MaybeRelaxed relaxed(routing_count_.load(std::memory_order_acquire) > 0);
-    DeviceSwitch on(device);
-    main->process_events();
-    main->trim();
-  }
+  // Another thread may be capturing: the main pool's release runs in relaxed mode, as
+  // empty_cache() does (its pages were free, so no capture uses them).
+  trim_main_pool(device, routing_count_.load(std::memory_order_acquire) > 0);
 }
 
 std::uintptr_t GpumemAllocator::borrow_from_oom_pools(int device, std::size_t size, cudaStream_t stream) {

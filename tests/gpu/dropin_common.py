@@ -4,6 +4,7 @@ GPUMEM_DISABLE=1), the FACTS a scenario records, and small helpers over torch's 
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 
@@ -66,6 +67,22 @@ def pool_blocks(pool, state="active_allocated"):
 
 def live_check(pool, ptrs) -> bool:
     return bool(torch._C._cuda_checkPoolLiveAllocations(DEV, tuple(pool), set(ptrs)))
+
+
+def try_gib(value: float, pool=None):
+    """Tries a 1 GiB float32 tensor filled with `value` (inside the MemPool `pool` when given): what
+    happened (fits, with its last element; or the out-of-memory message) and how many OOMs torch's
+    num_ooms counted meanwhile."""
+    ooms = torch.cuda.memory_stats()["num_ooms"]
+    try:
+        with torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext():
+            t = torch.full((256 * MiB,), value, device="cuda")
+        torch.cuda.synchronize()
+        outcome = dict(outcome="fits", last=float(t[-1]))
+        del t
+    except torch.OutOfMemoryError as e:
+        outcome = dict(outcome="oom", message=str(e)[:400])
+    return outcome, torch.cuda.memory_stats()["num_ooms"] - ooms
 
 
 def exc_name(e: BaseException) -> str:

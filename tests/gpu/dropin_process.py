@@ -9,7 +9,7 @@ import gc
 import time
 
 from dropin_common import (  # the allocator is chosen there, before torch starts
-    MiB, DEV, FACTS, start, warm, exc_name, torch, _capture_outputs, _captured,
+    MiB, DEV, FACTS, start, warm, exc_name, torch, try_gib, _capture_outputs, _captured,
 )
 
 # ----------------------------------------------------------------------------- CUDA IPC
@@ -145,15 +145,7 @@ def scenario_ipc_collect_on_oom():
             gc.collect()
             orders.put("drop")
             fact["child_dropped"] = _ipc_outcome(results, time.monotonic())
-            ooms = torch.cuda.memory_stats()["num_ooms"]
-            try:
-                b = torch.full((256 * MiB,), 2.0, device="cuda")
-                torch.cuda.synchronize()
-                fact["next"] = dict(outcome="fits", last=float(b[-1]))
-                del b
-            except torch.OutOfMemoryError as e:
-                fact["next"] = dict(outcome="oom", message=str(e)[:400])
-            fact["num_ooms_delta"] = torch.cuda.memory_stats()["num_ooms"] - ooms
+            fact["next"], fact["num_ooms_delta"] = try_gib(2.0)
     finally:
         orders.put("quit")
         orders.put("quit")

@@ -20,7 +20,7 @@ import traceback
 
 from dropin_common import (  # noqa: E402  (the allocator is chosen there, before torch starts)
     MiB, DEV, FACTS, GPUMEM, start, std_deleter, warm, pool_blocks, live_check, exc_name, torch,
-    _captured,
+    try_gib, _captured,
 )
 from dropin_process import NOCRASH, _usable, scenario_ipc, scenario_ipc_collect_on_oom  # noqa: E402,F401
 
@@ -419,16 +419,7 @@ def scenario_mempool_oom():
     del a
     fact: dict = dict(cached_before=torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
     pool = torch.cuda.MemPool()
-    ooms = torch.cuda.memory_stats()["num_ooms"]
-    try:
-        with torch.cuda.use_mem_pool(pool):
-            b = torch.full((256 * MiB,), 2.0, device="cuda")
-        torch.cuda.synchronize()
-        fact["mempool"] = dict(outcome="fits", last=float(b[-1]))
-        del b
-    except torch.OutOfMemoryError as e:
-        fact["mempool"] = dict(outcome="oom", message=str(e)[:400])
-    fact["num_ooms_delta"] = torch.cuda.memory_stats()["num_ooms"] - ooms
+    fact["mempool"], fact["num_ooms_delta"] = try_gib(2.0, pool)
     c = torch.full((64 * MiB,), 3.0, device="cuda")  # the default pool works on
     assert float(c[-1]) == 3.0
     del c, pool
@@ -450,16 +441,8 @@ def scenario_mempool_lends_on_oom():
     torch.cuda.synchronize()
     del a
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 256 * MiB) / total)
-    ooms = torch.cuda.memory_stats()["num_ooms"]
     fact: dict = {}
-    try:
-        b = torch.full((256 * MiB,), 2.0, device="cuda")
-        torch.cuda.synchronize()
-        fact["borrow"] = dict(outcome="fits", last=float(b[-1]))
-        del b
-    except torch.OutOfMemoryError as e:
-        fact["borrow"] = dict(outcome="oom", message=str(e)[:400])
-    fact["num_ooms_delta"] = torch.cuda.memory_stats()["num_ooms"] - ooms
+    fact["borrow"], fact["num_ooms_delta"] = try_gib(2.0)
     torch.cuda.set_per_process_memory_fraction(1.0)
     del pool
     gc.collect()

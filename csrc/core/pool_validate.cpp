@@ -1,7 +1,7 @@
 // The invariant checker, validate(): every block of every region (links, coverage, alignment, merged
 // free neighbours, allocation state), the free index, the address map of live blocks, each paged
-// region's page map and aliases, the pending frees, and every statistic against what the blocks say. Also the
-// validate-every-op check of debug builds (pool_debug.hpp). pool.hpp lists every file.
+// region's page map and aliases, the pending frees, and every statistic against what the blocks say.
+// Also the validate-every-op check of debug builds (pool_debug.hpp). pool.hpp lists every file.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>

@@ -70,6 +70,16 @@ std::uint64_t Pool::mark_after(Arena& arena, std::uint64_t freed_seq) {
 Pool::Block* Pool::start_draining(Block* free_block, std::uintptr_t address, std::size_t bytes,
                                   std::uint64_t seq) {
   Block* block = carve(free_block, address, bytes);  // the pieces before and after stay free
+  // Option stitch: a unit here may be mapped at parked positions too, whose last use can be later
+  // than this block's (a free unit stitched under a block that went back unused); they are unmapped
+  // with these pages (drop_aliases_of), so these drain behind their marks as well.
+  const PageRun run = block->region->pages.touched(address, bytes);
+  for (auto it = block->region->aliases_of.lower_bound(run.first);
+       it != block->region->aliases_of.end() && it->first < run.end; ++it)
+    for (std::size_t a : it->second) {
+      const Alias& alias = block->region->aliases.at(a);
+      if (!alias.draining) seq = std::max(seq, alias.seq);
+    }
   block->state = BlockInfo::kDraining;
   block->requested = 0;
   draining_.push_back(Draining{block, seq});

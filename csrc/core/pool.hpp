@@ -410,7 +410,7 @@ class Pool {
   // dropped, when the caller must unmap it as before.
   bool park_drained(Region* region, Block* block, std::uint64_t seq);
   // Before the owned pages of `run` are unmapped: their parked aliases are unmapped (the device is
-  // past them: they were parked before the owner's last use) and their lent ones forgotten.
+  // past them: the pages drained behind their marks too, start_draining) and their lent ones forgotten.
   void drop_aliases_of(Region* region, PageRun run);
   // The parked pages `block` (allocated, mapping its pages) touches: a unit whose owner lies wholly
   // in free blocks is handed back (the owner's pages parked in turn: no driver call); the others are

@@ -18,8 +18,8 @@
 //  - Lent draining units (map_from_draining, pool_drain.cpp) are parked at their mark instead of
 //    unmapped, as aliases of the block they were lent to.
 // The owner of a unit with aliases: when its own pages go back to the device (a draining block that
-// was not lent, at its mark), its parked aliases are unmapped with it (the device is past them: they
-// were parked before the owner's last use), so the memory really goes back; the destructor unmaps
+// was not lent, at its mark), its parked aliases are unmapped with it (the device is past them: the
+// block drains behind their marks too, start_draining), so the memory really goes back; the destructor unmaps
 // them too. Graph pools and MemPools never stitch (the bridge): unmapping a parked page may wait for
 // the device, which a stream capture forbids.
 // Measured (README, "Stitching"): the CPU replays and, on an H100, bert, varlen and ckpt uncapped

@@ -83,6 +83,58 @@ def test_everything_goes_back_to_the_device_with_parked_positions():
     assert device.used_bytes == 0
 
 
+@pytest.mark.parametrize("bound", ["cap", "limit"])
+def test_a_pool_under_a_cap_or_a_limit_does_not_stitch(bound):
+    """Under a bound the pool releases cached pages to fit anyway, and stitching fitted less there
+    (README, "Stitching under a bound"): the hole stays cached and the block gets new memory."""
+    device = _C.SimulatedDevice("vmm", 8 * GiB)
+    pool = _C.Pool(device, stitch=True, cap=GiB if bound == "cap" else 0)
+    if bound == "limit":
+        pool.set_limit(GiB)
+    a = pool.allocate(64 * MiB)
+    pool.allocate(8 * MiB)
+    pool.free(a)
+    pool.allocate(96 * MiB)
+    pool.validate()
+    assert _reserved(pool) == device.used_bytes == 168 * MiB
+    assert device.aliased_units == 0
+    if bound == "limit":  # lifted: the next block past the high water is stitched from the hole
+        pool.set_limit(None)
+        pool.allocate(80 * MiB)
+        pool.validate()
+        assert device.aliased_units == 8
+
+
+def test_positions_parked_before_a_limit_was_set_are_taken_back_or_unmapped_as_before():
+    device, pool, a, sep, c = _hole_then_larger(stitch=True)
+    pool.set_limit(GiB)
+    maps, unmaps = device.unit_maps, device.unit_unmaps
+    pool.free(c)
+    again = pool.allocate_at(a, 64 * MiB)  # the hole takes its units back: no driver call
+    pool.validate()
+    assert (device.unit_maps, device.unit_unmaps) == (maps, unmaps)
+    c2 = pool.allocate(96 * MiB)  # where c was, parked on the hole's units: unmapped, new memory
+    pool.validate()
+    assert c2 == c and device.unit_unmaps == unmaps + 8
+    units = {device.physical_unit_at(p) for p in range(c2, c2 + 96 * MiB, 2 * MiB)}
+    assert not units & {device.physical_unit_at(p) for p in range(again, again + 64 * MiB, 2 * MiB)}
+    assert _reserved(pool) == device.used_bytes == 168 * MiB
+    for block in (again, sep, c2):
+        pool.free(block)
+    pool.trim()
+    pool.validate()
+    assert _reserved(pool) == device.used_bytes == 0
+
+
+def test_a_limited_replay_is_the_same_with_and_without_the_option():
+    trace = ROOT / "bench" / "traces" / "bert.trace.gz"
+    live = gpumem.replay(trace).peak_live_bytes
+    reports = [gpumem.replay(trace, device_lag=100, limit=int(1.011 * live), stitch=s) for s in (False, True)]
+    assert reports[0].ooms == reports[1].ooms == 0
+    assert reports[0].upstream_calls == reports[1].upstream_calls
+    assert reports[0].peak_reserved_bytes == reports[1].peak_reserved_bytes
+
+
 def test_the_option_reaches_the_pool_from_the_configuration_string():
     assert gpumem.parse_config("stitch:true")["stitch"] is True
     assert gpumem.parse_config("")["stitch"] is False

@@ -401,7 +401,12 @@ class Pool {
   // draining blocks of the region (Upstream::map_from), without waiting for their marks: the region's
   // stream uses the new block only after the draining block's last use. Returns the bytes mapped.
   std::size_t map_from_draining(Region* region, PageRun run, std::size_t unit);
-  // pool_alias.cpp. The units of `source` (a draining block's pages) now back `target` (pages of the
+  // pool_alias.cpp. Whether new pages are stitched and lent units parked now: option stitch, and no
+  // cap or limit set. Under a bound the pool keeps reserved near the live bytes by releasing anyway,
+  // and the capped benches fit less with stitching (README, "Stitching under a bound"). Parked
+  // aliases made before a bound was set stay valid: they are only ever taken back or unmapped.
+  bool stitching() const;
+  // The units of `source` (a draining block's pages) now back `target` (pages of the
   // same count, `unit_pages` a unit): each becomes a draining alias of its target, which takes over
   // its aliases.
   void lend_aliases(Region* region, PageRun source, PageRun target, std::size_t unit_pages);

@@ -180,6 +180,10 @@ void Pool::take_back_parked(Block* block) {
   }
 }
 
+bool Pool::stitching() const {
+  return options_.stitch && options_.cap_bytes == 0 && budget_->limit() == Budget::kNoLimit;
+}
+
 std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit, PageRun keep_out) {
   PageMap& pages = region->pages;
   const std::size_t page = pages.page(), unit_pages = unit / page, bytes = pages.bytes_of(run);

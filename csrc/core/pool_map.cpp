@@ -201,7 +201,7 @@ bool Pool::ensure_mapped(Block* block) {
       run.first += map_from_draining(region, run, unit) / pages.page();
       if (run.empty()) return true;
     }
-    if (options_.stitch) {  // free blocks' units, parked where they were (pool_alias.cpp)
+    if (stitching()) {  // free blocks' units, parked where they were (pool_alias.cpp)
       run.first += map_from_free(region, run, unit, groups) / pages.page();
       if (run.empty()) return true;
     }

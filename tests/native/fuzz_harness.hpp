@@ -17,7 +17,9 @@ class Harness {
     page_ = kPageSizes[(b0 >> 2) & 3];
     capacity_ = round_up((2 + b1 % 127) * MiB, page_);
     if (page_ < 64 * KiB) capacity_ = std::min(capacity_, 8 * MiB);  // keeps validate()'s page walk fast
-    cap_ = b2 == 0 ? 0 : std::max(page_, round_up(capacity_ * b2 / 128, page_));
+    // With the stitch bit (bit 6) an odd b2 sets no cap either: the pool stitches only while no cap
+    // or limit bounds it (Pool::stitching), and do_set_limit bounds it midway.
+    cap_ = b2 == 0 || ((b0 & 64) && b2 % 2) ? 0 : std::max(page_, round_up(capacity_ * b2 / 128, page_));
     sim_ = std::make_shared<SimulatedDevice>(kind_, capacity_, page_);
     dev_ = std::make_shared<CheckedDevice>(sim_);
     dev_->live = &live_;

@@ -7,9 +7,9 @@
 
 For each workload (bench/pressure_workloads.py: the kit's allocfree, varlen and resnet rewritten here,
 vit, and four whose shapes change every step: moe, bert, generate, ckpt) and each allocator (native,
-expandable, async; gpumem with each release policy: gpumem = release:lazy, gpumem_hw =
-release:high_water, and gpumem_stitch = release:lazy,stitch:true; rmm where RAPIDS RMM imports), one
-process per run:
+expandable, async; gpumem = its defaults, release:lazy,stitch:true; gpumem_nostitch =
+release:lazy,stitch:false, the defaults before stitching; gpumem_hw = release:high_water,stitch:false;
+rmm where RAPIDS RMM imports), one process per run:
 
  1. uncapped, alone (timed): native first, whose peak allocated bytes (of its first pass) are P; then
     the others. Each gives its step times and max reserved / max allocated; --repeats R runs each R
@@ -505,8 +505,8 @@ def parse_args(argv=None):
                     help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
     ap.add_argument("--allocators", default=None,
                     help=f"comma-separated, from {','.join(ALLOCATORS)} (default: all; rmm where it imports). "
-                         "gpumem: GPUMEM_CONF=release:lazy; gpumem_hw: release:high_water; "
-                         "gpumem_stitch: release:lazy,stitch:true")
+                         "gpumem: GPUMEM_CONF=release:lazy,stitch:true (the defaults); gpumem_nostitch: "
+                         "release:lazy,stitch:false; gpumem_hw: release:high_water,stitch:false")
     ap.add_argument("--quick", action="store_true", help="half the steps, a 1%% tolerance")
     ap.add_argument("--tolerance", type=float, default=None, help="search resolution in units of P (0.0025)")
     ap.add_argument("--repeats", type=int, default=1,

@@ -19,10 +19,11 @@ WORKLOAD   allocfree  torch.empty + free from Python, sizes 256 B to 64 MiB, at 
                       (torch.cat: a new, larger cache every token), prompt and batch new per request
            ckpt       LLaMA-style training (RMSNorm, SwiGLU, SDPA) with activation checkpointing,
                       a new sequence length every step
-ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gpumem (release:lazy, the
-           default) | gpumem_hw (GPUMEM_CONF=release:high_water: cached pages released before reserving
-           past the live high water) | gpumem_stitch (release:lazy,stitch:true: new pages past the live
-           high water backed by free cached pages' memory) | rmm (RAPIDS RMM's pool through
+ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gpumem (the defaults,
+           release:lazy,stitch:true: new pages past the live high water backed by free cached pages'
+           memory while no cap is set) | gpumem_nostitch (release:lazy,stitch:false: the defaults
+           before stitching) | gpumem_hw (release:high_water,stitch:false: cached pages released
+           before reserving past the live high water) | rmm (RAPIDS RMM's pool through
            rmm_torch_allocator, capped by its maximum pool size) | none (CPU only)
 
 --fraction F caps the run with torch.cuda.set_per_process_memory_fraction(F) (rmm: a pool of at most
@@ -71,12 +72,12 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALLOCATORS = ("native", "expandable", "async", "gpumem", "gpumem_hw", "gpumem_stitch", "rmm")
+ALLOCATORS = ("native", "expandable", "async", "gpumem", "gpumem_nostitch", "gpumem_hw", "rmm")
 TORCH_ALLOC_CONF = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
 # gpumem's two release policies and the stitch option; set explicitly, so a GPUMEM_CONF of the caller's
 # shell changes nothing.
-GPUMEM_CONF = {"gpumem": "release:lazy", "gpumem_hw": "release:high_water",
-               "gpumem_stitch": "release:lazy,stitch:true"}
+GPUMEM_CONF = {"gpumem": "release:lazy,stitch:true", "gpumem_nostitch": "release:lazy,stitch:false",
+               "gpumem_hw": "release:high_water,stitch:false"}
 WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", "ckpt")
 # Bytes of device memory one worker uses outside its cap (CUDA context, cuBLAS/cuDNN handles): the
 # driver keeps the parallel trials' caps plus this under the device's memory.
@@ -488,7 +489,7 @@ def is_oom(error: BaseException) -> bool:
 # (num_device_alloc / num_device_free: cudaMalloc or a map, cudaFree or an unmap): torch's caching
 # allocator and gpumem's pool. Not async (cudaMallocAsync draws from the driver's pool; torch counts
 # no device call of it) nor rmm (torch keeps no statistics for a pluggable allocator).
-COUNTED = ("native", "expandable", "gpumem", "gpumem_hw", "gpumem_stitch")
+COUNTED = ("native", "expandable", "gpumem", "gpumem_nostitch", "gpumem_hw")
 
 
 def device_calls(torch, allocator: str):

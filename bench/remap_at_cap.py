@@ -46,10 +46,10 @@ HERE = Path(__file__).resolve().parent
 
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
             passes: int = 1, bound: str = "capacity", release_slack: float | None = None,
-            elsewhere_freed_after: int | None = None) -> dict:
+            elsewhere_freed_after: int | None = None, stitch: bool = True) -> dict:
     from gpumem.replay import bound_keywords, min_capacity, replay
 
-    policy = dict(release=release, release_slack=release_slack)
+    policy = dict(release=release, release_slack=release_slack, stitch=stitch)
     uncapped = replay(trace, device_lag=device_lag, passes=passes, **policy)
     peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, release_slack=release_slack,
@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device-lag", default="0", metavar="OPS[,OPS...]",
                     help="the device runs OPS operations behind the replay; adds the waits; several: a row "
                          "per trace and lag (default 0)")
+    ap.add_argument("--no-stitch", dest="stitch", action="store_false",
+                    help="the pool's stitch option off (GPUMEM_CONF stitch:false), as in the README's "
+                         "figures of this bench measured before 2026-11-27")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")
     ap.add_argument("--bound", default="capacity", choices=("capacity", "limit", "device"),
@@ -140,7 +143,8 @@ def main(argv=None) -> int:
         for lag in lags:
             try:
                 row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound,
-                              release_slack=args.release_slack, elsewhere_freed_after=args.elsewhere_freed_after)
+                              release_slack=args.release_slack, elsewhere_freed_after=args.elsewhere_freed_after,
+                              stitch=args.stitch)
             except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
                 print(f"{trace}: {e}", file=sys.stderr)
                 break

@@ -217,9 +217,10 @@ def test_remap_at_cap_replays_a_recorded_trace_and_skips_a_malformed_one(tmp_pat
 def test_remap_at_cap_counts_the_waits_on_a_lagging_device(tmp_path):
     """--device-lag: the replays run on a device 100 operations behind; the JSON row gives, per cap, the
     waits and the operations the device still had to run for them (never more than the lag per wait)
-    and the modelled driver time; uncapped, nothing is given back, so nothing is waited for."""
+    and the modelled driver time; uncapped without stitching, nothing is given back, so nothing is
+    waited for (stitched, a block landing on a parked position whose memory is busy waits for it)."""
     trace = BENCH / "traces" / "fbs_bert.trace.gz"
-    r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "100", trace], cwd=tmp_path)
+    r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "100", "--no-stitch", trace], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert row["device_lag"] == 100 and row["uncapped"]["waits"] == 0
@@ -241,8 +242,8 @@ def test_remap_at_cap_under_a_limit_remaps_whole_groups_once_the_pool_has_settle
     trace = BENCH / "traces" / "fbs_bert.trace.gz"
     rows = {}
     for bound in ("capacity", "limit"):
-        r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "100", "--passes", "3", "--bound", bound,
-                 trace], cwd=tmp_path)
+        r = run([BENCH / "remap_at_cap.py", "--json", "--no-stitch", "--device-lag", "100", "--passes", "3",
+                 "--bound", bound, trace], cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         (rows[bound],) = [json.loads(line) for line in r.stdout.splitlines()]
         assert rows[bound]["bound"] == bound and rows[bound]["x1.05"]["ooms"] == 0
@@ -262,7 +263,7 @@ def test_remap_at_cap_with_memory_held_outside_the_pool(tmp_path):
     trace = BENCH / "traces" / "bert.trace.gz"
     rows = {}
     for extra in ([], ["--elsewhere-freed-after", "1"]):
-        r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "100", "--passes", "3", "--bound",
+        r = run([BENCH / "remap_at_cap.py", "--json", "--no-stitch", "--device-lag", "100", "--passes", "3", "--bound",
                  "device", *extra, trace], cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         (rows[bool(extra)],) = [json.loads(line) for line in r.stdout.splitlines()]
@@ -301,10 +302,10 @@ def test_remap_at_cap_takes_high_waters_slack(tmp_path):
 
 def test_remap_at_cap_gives_a_row_per_lag_and_the_last_pass(tmp_path):
     """--device-lag 20,100 --passes 2: one row per lag, each the second pass of the trace in one pool
-    (uncapped, nothing is mapped again; capped, no OOM), the lowest capacity a single pass's; a lag list
-    that is not numbers, or passes below 1, is one line on stderr."""
+    (uncapped without stitching, nothing is mapped again; capped, no OOM), the lowest capacity a single
+    pass's; a lag list that is not numbers, or passes below 1, is one line on stderr."""
     trace = BENCH / "traces" / "fbs_bert.trace.gz"
-    r = run([BENCH / "remap_at_cap.py", "--json", "--device-lag", "20,100", "--passes", "2", trace],
+    r = run([BENCH / "remap_at_cap.py", "--json", "--no-stitch", "--device-lag", "20,100", "--passes", "2", trace],
             cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]

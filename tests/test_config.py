@@ -8,7 +8,7 @@ def test_defaults():
     assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
                                 "release": "lazy", "release_slack": 0.005,
                                 "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True,
-                                "stitch": False}
+                                "stitch": True}
 
 
 @pytest.mark.parametrize(

@@ -218,9 +218,9 @@ def test_the_slack_reaches_gpumem_through_its_configuration(monkeypatch):
 
     monkeypatch.delenv("GPUMEM_CONF", raising=False)
     pw.select_allocator("gpumem_hw", None, 0.03)
-    assert pw.os.environ["GPUMEM_CONF"] == "release:high_water,release_slack:0.03"
+    assert pw.os.environ["GPUMEM_CONF"] == "release:high_water,stitch:false,release_slack:0.03"
     pw.select_allocator("gpumem_hw", None)
-    assert pw.os.environ["GPUMEM_CONF"] == "release:high_water"
+    assert pw.os.environ["GPUMEM_CONF"] == "release:high_water,stitch:false"
 
 
 def test_allocfree_passes_repeat_the_same_requests_and_survive_a_lost_step():
@@ -398,13 +398,14 @@ def test_table_prints_a_dash_for_figures_a_result_lacks():
 
 
 def test_every_gpumem_configuration_is_an_allocator_of_the_benchmark():
-    assert {"gpumem", "gpumem_hw", "gpumem_stitch"} <= set(ALLOCATORS)
-    assert GPUMEM_CONF == {"gpumem": "release:lazy", "gpumem_hw": "release:high_water",
-                           "gpumem_stitch": "release:lazy,stitch:true"}
+    assert {"gpumem", "gpumem_nostitch", "gpumem_hw"} <= set(ALLOCATORS)
+    assert GPUMEM_CONF == {"gpumem": "release:lazy,stitch:true", "gpumem_nostitch": "release:lazy,stitch:false",
+                           "gpumem_hw": "release:high_water,stitch:false"}
     r = run("--dry-run", "--workloads", "varlen")
     assert r.returncode == 0, r.stderr
-    assert "allocators native, expandable, async, gpumem, gpumem_hw, gpumem_stitch (+rmm if it imports)" in r.stdout
-    assert "gpumem_hw: release:high_water; gpumem_stitch: release:lazy,stitch:true" in " ".join(run("--help").stdout.split())
+    assert "allocators native, expandable, async, gpumem, gpumem_nostitch, gpumem_hw (+rmm if it imports)" in r.stdout
+    assert ("gpumem_nostitch: release:lazy,stitch:false; gpumem_hw: release:high_water,stitch:false"
+            in " ".join(run("--help").stdout.split()))
 
 
 @dataclass

@@ -128,8 +128,10 @@ def test_min_capacity_is_the_lowest_capacity_with_no_oom():
     assert gpumem.replay(path, capacity=m.capacity_bytes).ooms == 0
     below = int(m.failed_below * peak)
     assert gpumem.replay(path, capacity=below).ooms > 0
-    assert gpumem.replay(path, limit=m.capacity_bytes).ooms == 0
-    assert gpumem.replay(path, limit=below).ooms > 0
+    # Under a limit the pool does not stitch: the limit agrees with the capacity found without it.
+    lazy = min_capacity(path, stitch=False)
+    assert gpumem.replay(path, limit=lazy.capacity_bytes).ooms == 0
+    assert gpumem.replay(path, limit=int(lazy.failed_below * peak)).ooms > 0
     # A finer tolerance narrows the bracket around the same edge.
     fine = min_capacity(path, tolerance=0.0005)
     assert fine.ratio - fine.failed_below <= 0.0005 + 1e-9
@@ -239,10 +241,11 @@ def test_the_driver_time_model_and_the_lag_on_a_recorded_trace():
     operations behind, the pool waits, the waits are those the GPU showed (13 a step at a0ea530); the
     modelled driver time is the per-unit cost of every unit call; uncapped, each unit is created and
     mapped once."""
+    # stitch=False: the mechanism of the pool without stitching (the default before 2026-11-27).
     from gpumem.replay import DRIVER_US_PER_UNIT, modelled_driver_ms
 
     trace = Path(__file__).resolve().parents[1] / "bench" / "traces" / "fbs_bert.trace.gz"
-    uncapped = gpumem.replay(trace, device_lag=100)
+    uncapped = gpumem.replay(trace, device_lag=100, stitch=False)
     assert uncapped.waits == 0 and uncapped.ooms == 0
     per_unit = (DRIVER_US_PER_UNIT["create"] + DRIVER_US_PER_UNIT["map"]) / 1e3
     assert uncapped.driver_ms == pytest.approx(uncapped.physical_units * per_unit)
@@ -250,7 +253,7 @@ def test_the_driver_time_model_and_the_lag_on_a_recorded_trace():
     assert capped.ooms == 0 and capped.waits >= 20  # 40 before pages released for a block were lent to it
     assert capped.driver_ms > 3 * uncapped.driver_ms  # remapping at the cap: units unmapped and mapped again
     assert modelled_driver_ms(1, 1, 1, 1) == pytest.approx(sum(DRIVER_US_PER_UNIT.values()) / 1e3)
-    assert gpumem.replay(trace, upstream="segments").driver_ms is None
+    assert gpumem.replay(trace, upstream="segments", stitch=False).driver_ms is None
 
 
 def test_cli_device_lag_adds_the_waits_and_refuses_a_negative_lag(tmp_path):
@@ -273,12 +276,14 @@ def test_later_passes_give_the_steady_state_at_the_cap():
     later pass, a small part of the first's units and without a wait once its live high water has
     settled (whole groups under a roomy bound; before that rule it remapped most of the first pass's
     units and waited every pass, as the GPU showed at c1df721); uncapped, nothing is mapped again."""
+    # stitch=False: the mechanism of the pool without stitching (the default before 2026-11-27).
     traces = Path(__file__).resolve().parents[1] / "bench" / "traces"
     for name in ("varlen", "bert"):
         path = traces / f"{name}.trace.gz"
-        first = gpumem.replay(path)
+        first = gpumem.replay(path, stitch=False)
         limit = int(1.05 * first.peak_live_bytes)
-        one, two, three = (gpumem.replay(path, limit=limit, device_lag=100, passes=n) for n in (1, 2, 3))
+        one, two, three = (gpumem.replay(path, limit=limit, device_lag=100, passes=n, stitch=False)
+                           for n in (1, 2, 3))
         assert one.passes == 1 and two.passes == 2 and three.passes == 3
         assert one.upstream_calls > 0 and one.physical_units > 0 and one.ooms == 0
         for later in (two, three):  # peaks over every pass: the same steps, the same peak live
@@ -292,7 +297,7 @@ def test_later_passes_give_the_steady_state_at_the_cap():
                 (three.upstream_calls, three.physical_units, three.waits)
             assert 0 < two.physical_units < one.physical_units // 4
             assert one.waits > 0 and two.waits == 0
-        steady = gpumem.replay(path, passes=2)
+        steady = gpumem.replay(path, passes=2, stitch=False)
         assert steady.upstream_calls == 0 and steady.mapped_bytes == 0 and steady.driver_ms == 0
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="passes"):
@@ -307,25 +312,27 @@ def test_memory_held_outside_the_pool_bounds_it_and_when_it_goes_the_pool_grows_
     grows instead: the third pass maps nothing. (Before the pool asked again, it kept remapping under
     the room it had learned: the same units every pass, freed memory or not.) The lowest room with 0
     OOMs (bound="device") is within 2% of the peak, as the lowest limit is."""
+    # stitch=False: the mechanism of the pool without stitching (the default before 2026-11-27).
     from gpumem.replay import DEFAULT_CAPACITY, min_capacity
 
     path = Path(__file__).resolve().parents[1] / "bench" / "traces" / "bert.trace.gz"
-    peak = gpumem.replay(path).peak_live_bytes
+    peak = gpumem.replay(path, stitch=False).peak_live_bytes
     outside = DEFAULT_CAPACITY - int(1.05 * peak)
-    held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3)
+    held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3, stitch=False)
     limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3)
     assert held.ooms == 0 and held.peak_reserved_bytes <= int(1.05 * peak)
     assert held.physical_units > 0 and held.driver_ms > 0
     # The learned room: no allocation had to give the whole cache back and retry; with no room at all
     # (the device holding exactly the peak live bytes) each step that cannot fit retries, then fails.
     assert held.retries == 0
-    full = gpumem.replay(path, held_elsewhere=DEFAULT_CAPACITY - peak, device_lag=100)
+    full = gpumem.replay(path, held_elsewhere=DEFAULT_CAPACITY - peak, device_lag=100, stitch=False)
     assert full.ooms > 0 and full.retries >= full.ooms
     assert (held.physical_units, held.waits) == (limited.physical_units, limited.waits)
-    freed = gpumem.replay(path, held_elsewhere=outside, elsewhere_freed_after=1, device_lag=100, passes=3)
+    freed = gpumem.replay(path, held_elsewhere=outside, elsewhere_freed_after=1, device_lag=100, passes=3,
+                          stitch=False)
     assert freed.ooms == 0 and freed.peak_reserved_bytes > int(1.05 * peak)
     assert freed.mapped_bytes == 0 and freed.physical_units == 0 and freed.driver_ms == 0
-    m = min_capacity(path, bound="device", device_lag=100)
+    m = min_capacity(path, bound="device", device_lag=100, stitch=False)
     assert 1.0 <= m.failed_below < m.ratio <= 1.02
     for bad in (-1, True, DEFAULT_CAPACITY + 1, 1.5):
         with pytest.raises(ValueError, match="held_elsewhere"):

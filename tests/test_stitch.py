@@ -136,8 +136,8 @@ def test_a_limited_replay_is_the_same_with_and_without_the_option():
 
 
 def test_the_option_reaches_the_pool_from_the_configuration_string():
-    assert gpumem.parse_config("stitch:true")["stitch"] is True
-    assert gpumem.parse_config("")["stitch"] is False
+    assert gpumem.parse_config("stitch:false")["stitch"] is False
+    assert gpumem.parse_config("")["stitch"] is True  # the default
     with pytest.raises(ValueError, match="stitch='often' is not valid; accepted: true, false"):
         gpumem.parse_config("stitch:often")
 
@@ -151,8 +151,8 @@ def test_stitched_replays_stay_near_their_live_bytes(trace, lazy_at_least, stitc
     """On a device 100 operations behind the host, uncapped: lazy keeps the holes its varying shapes
     leave; stitched, the peak reserved stays within 1-2% of the peak live bytes (README: Stitching)."""
     gzip.open(trace).read(1)  # a readable trace, not a Git LFS pointer
-    lazy = gpumem.replay(trace, device_lag=100)
-    stitched = gpumem.replay(trace, device_lag=100, stitch=True)
+    lazy = gpumem.replay(trace, device_lag=100, stitch=False)
+    stitched = gpumem.replay(trace, device_lag=100)  # the default
     assert lazy.ooms == stitched.ooms == 0
     assert lazy.fragmentation > lazy_at_least
     assert stitched.fragmentation <= stitched_at_most

@@ -41,10 +41,10 @@
 //  - When the device refuses a map (memory outside the pool), the room it then had bounds the pool like
 //    the cap; the device is asked again before that room makes a block release cached pages, and the
 //    room grows if memory outside was freed (pool_release.cpp, learn_device_room).
-//  - Option stitch (off by default; pool_alias.cpp): past the live high water, a block's new pages are
+//  - Option stitch (on by default; pool_alias.cpp): past the live high water, a block's new pages are
 //    mapped onto the units of free blocks rather than new memory; their old positions stay mapped
 //    ("parked", counted as unmapped) and a later block there takes the unit back without a driver
-//    call while its new owner is free.
+//    call while its new owner is free. Only while no cap or limit bounds the pool (stitching()).
 //  - record_stream(ptr, S2) makes free() record an event on S2; the block is reused only after it.
 //  - allocate_at() carves a block at a given address out of free space (CUDA-graph checkpoints are
 //    restored by re-allocating blocks where they were); its code is in pool_allocate_at.cpp.
@@ -106,9 +106,10 @@ struct PoolOptions {
   // pool_alias.cpp), and back new pages past the live high water (+1%) with the units of free blocks
   // rather than new memory; a block that later lands on such a position takes the unit back without
   // a driver call when its new owner is free. Reserved stays near the live bytes without the releases
-  // of the high-water policy. Off by default: on the CPU replays it costs unmaps in steady steps where
-  // a position's unit is busy elsewhere (README, "Stitching").
-  bool stitch = false;
+  // of the high-water policy; it costs unit maps and unmaps in steady steps where a position's unit is
+  // busy elsewhere, which the GPU bench's steady steps do not show (README, "Stitching"). Only while
+  // no cap or limit is set (Pool::stitching).
+  bool stitch = true;
   int device = 0;             // only used in messages and to reject frees meant for another device
   // Shared with the other pools of a device, whose reserved bytes count against one limit
   // (set_limit); null: the pool has a budget of its own.

@@ -66,7 +66,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 0
     lagged = args.device_lag > 0
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}"
-          + (", stitch" if args.stitch else "") + ", simulated device of "
+          + ("" if args.stitch else ", no stitch") + ", simulated device of "
           f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB"
           + (f", running {args.device_lag} operations behind" if lagged else "")
           + (f", {args.passes} passes (calls and waits: the last one's)" if args.passes > 1 else ""))
@@ -109,7 +109,7 @@ def _min_capacity(args: argparse.Namespace, traces: list, page_size: int | None)
         return 0
     page = (page_size or _C.DEFAULT_PAGE_SIZE) >> 20
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}"
-          + (", stitch" if args.stitch else "") + f", pages of {page} MiB: "
+          + ("" if args.stitch else ", no stitch") + f", pages of {page} MiB: "
           f"lowest simulated device capacity with 0 OOMs")
     header = (f"{'trace':<14} {'peak live GiB':>13} {'min capacity GiB':>16} {'x peak live':>11} "
               f"{'fails at':>9} {'replays':>7}")
@@ -181,9 +181,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="vmm page size, a multiple of 2MiB (default: gpumem's, 8MiB)")
     p.add_argument("--release", choices=["lazy", "high_water"], default="lazy",
                    help="release policy (default lazy, gpumem's default)")
-    p.add_argument("--stitch", action="store_true",
-                   help="the pool's stitch option (GPUMEM_CONF stitch:true): new pages past the live high "
-                        "water backed by free cached pages' memory (default off, gpumem's default)")
+    p.add_argument("--no-stitch", dest="stitch", action="store_false",
+                   help="turn off the pool's stitch option (GPUMEM_CONF stitch:false; on by default: new "
+                        "pages past the live high water backed by free cached pages' memory)")
     p.add_argument("--device-lag", type=int, default=0, metavar="OPS",
                    help="the simulated device runs OPS operations behind the replay, as a GPU runs behind "
                         "the host, and the table counts the waits the pool made for it (default 0: "

@@ -103,7 +103,7 @@ def replay(
     passes: int = 1,
     held_elsewhere: int = 0,
     elsewhere_freed_after: Optional[int] = None,
-    stitch: bool = False,
+    stitch: bool = True,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -119,9 +119,9 @@ def replay(
     repeat (``ReplayReport.passes``). ``held_elsewhere`` bytes of the device are held outside the pool
     (another process, a library's own ``cudaMalloc``): the pool meets the device's end without a cap or
     a limit telling it where that is, as on a shared GPU (``bench/pressure.py --bound device``); with
-    ``elsewhere_freed_after=K`` that memory goes back to the device after the K-th pass. ``stitch`` turns on
-    the pool's option of that name (``GPUMEM_CONF`` ``stitch:true``: new pages past the live high water
-    backed by free blocks' memory).
+    ``elsewhere_freed_after=K`` that memory goes back to the device after the K-th pass. ``stitch`` is
+    the pool's option of that name (``GPUMEM_CONF`` ``stitch``, on by default: new pages past the live
+    high water backed by free blocks' memory, while no cap or limit is set).
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:

@@ -47,6 +47,7 @@ struct Setup {
     o.cap_bytes = cap;
     o.release = release;
     o.large_page_bytes = page;  // one page size throughout: the figures below count pages
+    o.stitch = false;  // the figures are those of the mechanism each test names (stitching: test_stitch.py)
     pool = std::make_unique<Pool>(dev, o);
   }
 };

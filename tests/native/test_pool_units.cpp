@@ -20,6 +20,7 @@ Setup grouped(std::size_t capacity, std::size_t cap, ReleasePolicy release = Rel
   o.cap_bytes = cap;
   o.release = release;
   o.large_page_bytes = 8 * MiB;  // ...then large arenas with groups of four, the default
+  o.stitch = false;  // as Setup: the figures are the groups' alone
   s.pool = std::make_unique<Pool>(s.dev, o);
   return s;
 }

@@ -249,7 +249,7 @@ def test_the_driver_time_model_and_the_lag_on_a_recorded_trace():
     assert uncapped.waits == 0 and uncapped.ooms == 0
     per_unit = (DRIVER_US_PER_UNIT["create"] + DRIVER_US_PER_UNIT["map"]) / 1e3
     assert uncapped.driver_ms == pytest.approx(uncapped.physical_units * per_unit)
-    capped = gpumem.replay(trace, capacity=int(1.05 * uncapped.peak_live_bytes), device_lag=100)
+    capped = gpumem.replay(trace, capacity=int(1.05 * uncapped.peak_live_bytes), device_lag=100, stitch=False)
     assert capped.ooms == 0 and capped.waits >= 20  # 40 before pages released for a block were lent to it
     assert capped.driver_ms > 3 * uncapped.driver_ms  # remapping at the cap: units unmapped and mapped again
     assert modelled_driver_ms(1, 1, 1, 1) == pytest.approx(sum(DRIVER_US_PER_UNIT.values()) / 1e3)
@@ -319,7 +319,7 @@ def test_memory_held_outside_the_pool_bounds_it_and_when_it_goes_the_pool_grows_
     peak = gpumem.replay(path, stitch=False).peak_live_bytes
     outside = DEFAULT_CAPACITY - int(1.05 * peak)
     held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3, stitch=False)
-    limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3)
+    limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3, stitch=False)
     assert held.ooms == 0 and held.peak_reserved_bytes <= int(1.05 * peak)
     assert held.physical_units > 0 and held.driver_ms > 0
     # The learned room: no allocation had to give the whole cache back and retry; with no room at all

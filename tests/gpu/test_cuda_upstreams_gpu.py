@@ -202,7 +202,7 @@ def test_the_pool_learns_the_devices_room_from_a_refusal_and_grows_again_when_me
         pytest.skip("device without virtual memory management")
     GiB = 1 << 30
     upstream = _C.cuda_upstream("vmm", 0)
-    pool = _C.Pool(upstream, release="lazy", page_size=2 * MiB)
+    pool = _C.Pool(upstream, release="lazy", page_size=2 * MiB, stitch=False)  # the room alone
     warm = torch.ones(1024, device="cuda")
     assert torch.all(warm.fill_(2.0) == 2.0).item()
     torch.cuda.synchronize()

@@ -4,8 +4,9 @@
 // maps new pages there, while free pages elsewhere stay cached: with shapes that change step to
 // step, reserved settles 10-24% above live (README). With this option:
 //  - Stitching (map_from_free): past the live high water (+ kStitchSlack), the new pages of a block
-//    are mapped onto mapped units of the region's free blocks (Upstream::map_from) instead of new
-//    memory. The unit's old position stays mapped by the driver but is "parked": the PageMap counts
+//    are mapped onto mapped units of the region's free blocks (Upstream::map_from), the least
+//    recently freed first, instead of new memory; only while no cap or limit bounds the pool
+//    (stitching(): under a bound the pool releases anyway, and fitted less stitched). The unit's old position stays mapped by the driver but is "parked": the PageMap counts
 //    it as unmapped (a hole, not reserved), and the region remembers which position owns its unit
 //    (Region::aliases, aliases_of). Safe as reusing the free block directly is: the region's stream
 //    is the only one that used it, and it uses the new block after that, in stream order.
@@ -22,11 +23,12 @@
 // block drains behind their marks too, start_draining), so the memory really goes back; the destructor unmaps
 // them too. Graph pools and MemPools never stitch (the bridge): unmapping a parked page may wait for
 // the device, which a stream capture forbids.
-// Measured (README, "Stitching"): the CPU replays and, on an H100, bert, varlen and ckpt uncapped
-// at 1.009-1.014x their live bytes instead of 1.11-1.24x, steady steps level; first passes up to 9%
-// slower (ckpt), and 2-60 unit maps/unmaps per steady step where a position's unit is busy.
+// Measured (README, "Stitching"): the CPU replays and, on an H100, the pressure bench's eight workloads
+// uncapped at 1.006-1.014x their allocated bytes instead of up to 1.24x, steady steps level within the
+// runs' spread, and 4-48 unit maps/unmaps per steady step where a position's unit is busy.
 // pool.hpp lists every file.
 #include <algorithm>
+#include <vector>
 
 #include "pool.hpp"
 
@@ -194,14 +196,16 @@ std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit, P
   std::size_t mapped = 0;
   std::vector<Block*> order;
   for (Block* b = region->first; b; b = b->next)
-    if (b->state == BlockInfo::kFree && pages.inside(b->address, b->size).count() >= unit_pages) order.push_back(b);
-  // The least recently freed first: the free blocks best fit is least likely to hand out next, so
-  // their positions, parked now, are the least likely to be needed while their unit is busy (CPU
-  // replays, device 100 operations behind: bert's steady pass 758 -> 480 calls, 36 -> 1 waits;
-  // generate 472 -> 70 and 46 -> 2; ckpt 533 -> 1,326 calls; fbs_gen's ratio 1.0233 -> 1.0301. One
-  // H100, uncapped steady steps, against address order: generate 45 -> 7 unit calls and 5-18 ->
-  // 1.4 ms of waits a step, bert 10.6 -> 3.7 calls, ckpt 33-39 -> 44-48 at the same step time).
-  std::stable_sort(order.begin(), order.end(), [](Block* x, Block* y) { return x->freed_seq < y->freed_seq; });
+    if (b->state == BlockInfo::kFree && pages.inside(b->address, b->size).count() >= unit_pages)
+      order.push_back(b);
+  // The least recently freed first: the free blocks the best-fit search is least likely to hand out
+  // next, so their positions, parked now, are the least likely to be needed while their unit is busy
+  // (CPU replays, device 100 operations behind, against address order: bert's steady pass 758 -> 480
+  // calls, 36 -> 1 waits; generate 472 -> 70 and 46 -> 2; ckpt 533 -> 1,326 calls; fbs_gen's ratio
+  // 1.0233 -> 1.0301. One H100, uncapped steady steps: generate 45 -> 7 unit calls and 5-18 -> 1.4 ms
+  // of waits a step, bert 10.6 -> 3.7 calls, ckpt 33-39 -> 44-48 at the same step time).
+  std::stable_sort(order.begin(), order.end(),
+                   [](const Block* x, const Block* y) { return x->freed_seq < y->freed_seq; });
   for (Block* b : order) {
     if (mapped >= bytes) break;
     const PageRun inside = pages.inside(b->address, b->size);

@@ -117,8 +117,10 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
       // Parked where its units still have their owners (stitching when it was lent); else its
       // parked aliases go back with it (a block lent unrecorded, under a bound, may own some).
       if (lent && options_.stitch) parked = park_drained(region, block, it->seq);
-      if (!parked) drop_aliases_of(region, run);
-      if (!parked) upstream_->unmap(block->address, block->size, pages.unit_bytes(run.first));  // units of one size
+      if (!parked) {
+        drop_aliases_of(region, run);
+        upstream_->unmap(block->address, block->size, pages.unit_bytes(run.first));  // units of one size
+      }
     } catch (const UpstreamError&) {
       notify_unmapped_run(region, run, span, false);  // the span is whole again
       if (lent) {

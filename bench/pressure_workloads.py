@@ -74,7 +74,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALLOCATORS = ("native", "expandable", "async", "gpumem", "gpumem_nostitch", "gpumem_hw", "rmm")
 TORCH_ALLOC_CONF = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
-# gpumem's two release policies and the stitch option; set explicitly, so a GPUMEM_CONF of the caller's
+# gpumem's defaults and the two configurations before them; set explicitly, so a GPUMEM_CONF of the caller's
 # shell changes nothing.
 GPUMEM_CONF = {"gpumem": "release:lazy,stitch:true", "gpumem_nostitch": "release:lazy,stitch:false",
                "gpumem_hw": "release:high_water,stitch:false"}

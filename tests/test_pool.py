@@ -194,7 +194,7 @@ def test_out_of_memory_first_waits_for_blocks_other_streams_still_use(kind):
 
 def test_vmm_returns_free_pages_in_the_middle():
     device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
-    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the room alone
+    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the release mechanism alone
     a = pool.allocate(100 * MiB)
     b = pool.allocate(100 * MiB)
     c = pool.allocate(100 * MiB)
@@ -231,7 +231,7 @@ def test_high_water_policy_reuses_cached_pages_instead_of_growing():
 def test_lazy_policy_keeps_the_cache_until_memory_runs_short_then_unmaps_holes():
     # 1 GiB device: the hole between two live blocks is cached until a request needs the memory.
     device = _C.SimulatedDevice("vmm", 1 * GiB, 2 * MiB)
-    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the room alone
+    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the release mechanism alone
     keep = pool.allocate(300 * MiB)
     big = pool.allocate(400 * MiB)
     tail = pool.allocate(200 * MiB)
@@ -255,7 +255,7 @@ def test_a_refused_map_teaches_the_pool_the_devices_room_and_it_asks_again_when_
     release anything, and grows, with no retry and no cached page given back."""
     device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
     device.held_elsewhere = 4 * GiB - 1 * GiB  # 1 GiB left to the pool
-    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the room alone
+    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the release mechanism alone
     keep = pool.allocate(400 * MiB)
     hole = pool.allocate(300 * MiB)
     tail = pool.allocate(200 * MiB)
@@ -291,7 +291,7 @@ def test_a_driver_error_while_asking_the_devices_room_keeps_the_room_known_befor
     another error."""
     device = _C.SimulatedDevice("vmm", 4 * GiB, 2 * MiB)
     device.held_elsewhere = 3 * GiB  # 1 GiB left to the pool
-    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the room alone
+    pool = _C.Pool(device, release="lazy", page_size=2 * MiB, stitch=False)  # the release mechanism alone
     keep = pool.allocate(400 * MiB)
     hole = pool.allocate(300 * MiB)
     tail = pool.allocate(200 * MiB)

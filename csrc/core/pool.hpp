@@ -407,9 +407,8 @@ class Pool {
   // and the capped benches fit less with stitching (README, "Stitching under a bound"). Parked
   // aliases made before a bound was set stay valid: they are only ever taken back or unmapped.
   bool stitching() const;
-  // The units of `source` (a draining block's pages) now back `target` (pages of the
-  // same count, `unit_pages` a unit): each becomes a draining alias of its target, which takes over
-  // its aliases.
+  // The units of `source` (a draining block's pages) now back `target` (pages of the same count,
+  // `unit_pages` a unit): each becomes a draining alias of its target, which takes over its aliases.
   void lend_aliases(Region* region, PageRun source, PageRun target, std::size_t unit_pages);
   // At a lent draining block's mark: parks it when every unit still has its owner (true, nothing
   // unmapped: the block is free on parked pages); false, with the alias records of its units

@@ -1,13 +1,14 @@
-// Stitching (PoolOptions::stitch, GPUMEM_CONF stitch:true): physical units mapped at two positions of
-// a region, so that reserved stays near the live bytes without giving memory back and mapping it
-// again. Under the lazy policy a block that fits no free block goes to the region's free tail and
+// Stitching (PoolOptions::stitch, GPUMEM_CONF stitch, on by default): physical units mapped at two
+// positions of a region, so that reserved stays near the live bytes without giving memory back and
+// mapping it again. Under the lazy policy a block that fits no free block goes to the region's free tail and
 // maps new pages there, while free pages elsewhere stay cached: with shapes that change step to
 // step, reserved settles 10-24% above live (README). With this option:
 //  - Stitching (map_from_free): past the live high water (+ kStitchSlack), the new pages of a block
 //    are mapped onto mapped units of the region's free blocks (Upstream::map_from), the least
 //    recently freed first, instead of new memory; only while no cap or limit bounds the pool
-//    (stitching(): under a bound the pool releases anyway, and fitted less stitched). The unit's old position stays mapped by the driver but is "parked": the PageMap counts
-//    it as unmapped (a hole, not reserved), and the region remembers which position owns its unit
+//    (stitching(): under a bound the pool releases anyway, and fitted less stitched). The unit's old
+//    position stays mapped by the driver but is "parked": the PageMap counts it as unmapped (a hole,
+//    not reserved), and the region remembers which position owns its unit
 //    (Region::aliases, aliases_of). Safe as reusing the free block directly is: the region's stream
 //    is the only one that used it, and it uses the new block after that, in stream order.
 //  - Taking back (take_back_parked): a block that lands on parked pages whose unit's owner lies wholly

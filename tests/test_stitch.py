@@ -83,6 +83,28 @@ def test_everything_goes_back_to_the_device_with_parked_positions():
     assert device.used_bytes == 0
 
 
+def test_after_trim_a_phase_below_the_old_peak_stitches_again():
+    """trim() (empty_cache) starts the live high water again from the live bytes: a phase after it
+    that stays below the phase before's peak still stitches (Pool::forget_high_water). Kept, the old
+    peak would let the new phase map fresh pages up to it first (here 168 MiB reserved for 104 live;
+    the GPU stitch test's training after its tensors: reserved 1.18x allocated)."""
+    device, pool = _pool(stitch=True)
+    pool.free(pool.allocate(512 * MiB))  # the phase before, higher than everything after it
+    assert pool.trim() == 512 * MiB
+    a = pool.allocate(64 * MiB)
+    sep = pool.allocate(8 * MiB)
+    pool.free(a)
+    c = pool.allocate(96 * MiB)
+    pool.validate()
+    # The hole's units back c, as in a fresh pool (test_a_block_past_the_high_water_...).
+    assert _reserved(pool) == device.used_bytes == 104 * MiB
+    assert device.aliased_units == 8
+    pool.free(c)
+    pool.free(sep)
+    assert pool.trim() == 104 * MiB
+    pool.validate()
+
+
 @pytest.mark.parametrize("bound", ["cap", "limit"])
 def test_a_pool_under_a_cap_or_a_limit_does_not_stitch(bound):
     """Under a bound the pool releases cached pages to fit anyway, and stitching fitted less there

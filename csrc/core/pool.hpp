@@ -385,6 +385,7 @@ class Pool {
   bool bound_is_roomy() const;
   std::size_t release_cached(std::size_t target, bool rethrow = false);
   std::size_t release_cached_units(std::size_t target);
+  void forget_high_water();  // trim(): the live high water starts again from the live bytes
   std::size_t release_pages_of(Block* block, std::size_t target);
   // pool_drain.cpp. Unmaps the draining blocks whose marks have completed; with `wait_oldest`, when
   // none has, first waits for the earliest mark one of them needs. Returns the bytes unmapped. A
@@ -504,7 +505,8 @@ class Pool {
   std::deque<Draining> draining_;
   std::size_t draining_bytes_ = 0;  // bytes of the draining blocks (still mapped, still reserved)
   std::uint64_t free_seq_ = 0;      // blocks freed so far (Block::freed_seq, Mark::seq)
-  std::size_t live_high_water_ = 0;  // highest active bytes so far (not reset by reset_peak_stats)
+  // Highest active bytes since the pool was made or last trimmed (not reset by reset_peak_stats).
+  std::size_t live_high_water_ = 0;
   // The live high water as of its last rise by more than kSettledRise (1%), and the bytes allocated
   // since then (bound_is_roomy: a high water that has held while several times its bytes were allocated).
   static constexpr double kSettledRise = 0.01;

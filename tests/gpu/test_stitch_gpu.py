@@ -8,8 +8,10 @@ allocator:
   on a side stream (record_stream);
 - training steps of a small model with a batch size that changes every step: the same losses with the
   option as without it (deterministic kernels), and no more reserved than without it.
-The tensors part's reserved / allocated must fall well under stitch:false's (one H100, 49dcf8b: 1.117
-without the option, 1.034 with it; training 1.175 and 1.151).
+The tensors part's reserved / allocated must fall well under stitch:false's, and so must the training's,
+which runs after the tensors part's empty_cache (one H100, 2026-11-27: tensors 1.117 without the
+option, 1.048 with it; training 1.175 and 1.032; training 1.183 before trim() reset the live high
+water, the tensors part's peak keeping the pool from stitching below it).
 
 Run: pytest -m gpu tests/gpu/test_stitch_gpu.py"""
 import json
@@ -106,4 +108,6 @@ def test_stitched_memory_never_backs_two_live_tensors_and_training_is_unchanged(
     assert plain["tensors_ratio"] > 1.05
     assert stitched["tensors_ratio"] < plain["tensors_ratio"]
     assert stitched["tensors_ratio"] <= 1.06  # CPU replay of these sizes: 1.044 (stitch:false 1.144)
-    assert stitched["train_ratio"] <= max(1.05, plain["train_ratio"])
+    # After empty_cache the pool stitches again below the tensors part's peak (Pool::forget_high_water).
+    assert stitched["train_ratio"] < plain["train_ratio"]
+    assert stitched["train_ratio"] <= 1.06  # CPU replay of both parts' traces: 1.028 (stitch:false 1.161)

@@ -201,7 +201,8 @@ class Pool {
   void record_stream(std::uintptr_t address, StreamId stream);
   // Polls pending events and recycles the blocks whose streams are done.
   void process_events();
-  // Returns every fully free page / segment to the device. Returns the bytes released.
+  // Returns every fully free page / segment to the device. Returns the bytes released. The live high
+  // water (stitching's and the high-water policy's reference) starts again from the live bytes.
   std::size_t trim();
 
   // @throws InvalidArgument if `bytes` (non-zero) is below the bytes live blocks hold.

@@ -228,6 +228,25 @@ def test_high_water_policy_reuses_cached_pages_instead_of_growing():
     pool.validate()
 
 
+def test_after_trim_the_high_water_policy_follows_the_new_phase():
+    """trim() (empty_cache) starts the live high water again from the live bytes: a later phase whose
+    blocks leave a hole releases it before growing past its own high water, not past the earlier
+    phase's peak (Pool::forget_high_water; 168 MiB reserved here before, for 104 live)."""
+    device = _C.SimulatedDevice("vmm", 8 * GiB)
+    pool = _C.Pool(device, release="high_water", stitch=False)  # the policy alone
+    pool.free(pool.allocate(512 * MiB))  # the earlier phase, higher than everything after it
+    assert pool.trim() == 512 * MiB
+    a = pool.allocate(64 * MiB)
+    sep = pool.allocate(8 * MiB)
+    pool.free(a)  # a hole the 96 MiB block does not fit
+    c = pool.allocate(96 * MiB)
+    pool.validate()
+    assert flat(pool.stats(), "reserved_bytes") == device.used_bytes == 104 * MiB  # the hole went back
+    for p in (sep, c):
+        pool.free(p)
+    pool.validate()
+
+
 def test_lazy_policy_keeps_the_cache_until_memory_runs_short_then_unmaps_holes():
     # 1 GiB device: the hole between two live blocks is cached until a request needs the memory.
     device = _C.SimulatedDevice("vmm", 1 * GiB, 2 * MiB)

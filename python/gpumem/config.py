@@ -6,7 +6,8 @@ Keys (comma separated, ``key:value`` or ``key=value``):
 ``cap``        a fraction of device memory in (0, 1] such as ``0.9``, or bytes such as ``40GiB``; ``0`` = none
 ``release``    ``lazy`` (default: keep free pages cached until ``empty_cache()`` or until the cap or the
                device runs short, then unmap free pages anywhere) or ``high_water`` (also release before
-               reserving past the highest live bytes so far: lower reserved, slower on a GPU)
+               reserving past the highest live bytes since the last ``empty_cache()``: lower reserved, slower
+               on a GPU)
 ``release_slack``  high_water only: how far (fraction) reserved may exceed the live high water (0.005)
 ``page_size``  vmm: bytes per physical page, a multiple of 2MiB (default 8MiB)
 ``gc_on_oom``  ``true`` (default: run ``gc.collect()`` before failing an allocation) or ``false``

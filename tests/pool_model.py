@@ -11,6 +11,18 @@ def flat(stats, key, which="current"):
     return stats[key]["all"][which]
 
 
+def hole_then_larger(pool):
+    """64 MiB freed between live blocks (an 8 MiB one after it), then a 96 MiB block that does not fit
+    in the hole: what the stitching, high-water and bound tests build. Returns (a, sep, c): the freed
+    block's address, the 8 MiB block and the 96 MiB one."""
+    a = pool.allocate(64 * MiB)
+    sep = pool.allocate(8 * MiB)
+    pool.free(a)
+    c = pool.allocate(96 * MiB)
+    pool.validate()
+    return a, sep, c
+
+
 class Model:
     """What a correct pool must agree with: live blocks, their sizes, nothing overlapping."""
 

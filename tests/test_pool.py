@@ -6,7 +6,7 @@ import random
 import pytest
 
 from gpumem import _C
-from pool_model import GiB, MiB, Model, flat, random_size, run_threads
+from pool_model import GiB, MiB, Model, flat, hole_then_larger, random_size, run_threads
 
 
 @pytest.mark.parametrize("kind, stitch", [("vmm", False), ("segments", False), ("vmm", True)])
@@ -236,11 +236,7 @@ def test_after_trim_the_high_water_policy_follows_the_new_phase():
     pool = _C.Pool(device, release="high_water", stitch=False)  # the policy alone
     pool.free(pool.allocate(512 * MiB))  # the earlier phase, higher than everything after it
     assert pool.trim() == 512 * MiB
-    a = pool.allocate(64 * MiB)
-    sep = pool.allocate(8 * MiB)
-    pool.free(a)  # a hole the 96 MiB block does not fit
-    c = pool.allocate(96 * MiB)
-    pool.validate()
+    _, sep, c = hole_then_larger(pool)  # a hole the 96 MiB block does not fit
     assert flat(pool.stats(), "reserved_bytes") == device.used_bytes == 104 * MiB  # the hole went back
     for p in (sep, c):
         pool.free(p)

@@ -9,7 +9,7 @@ import pytest
 
 import gpumem
 from gpumem import _C
-from pool_model import GiB, MiB, flat
+from pool_model import GiB, MiB, flat, hole_then_larger
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,12 +26,7 @@ def _reserved(pool):
 def _hole_then_larger(stitch):
     """64 MiB freed between live blocks, then a 96 MiB block that does not fit in the hole."""
     device, pool = _pool(stitch)
-    a = pool.allocate(64 * MiB)
-    sep = pool.allocate(8 * MiB)
-    pool.free(a)
-    c = pool.allocate(96 * MiB)
-    pool.validate()
-    return device, pool, a, sep, c
+    return (device, pool, *hole_then_larger(pool))
 
 
 def test_a_block_past_the_high_water_is_backed_by_the_free_hole_not_new_memory():
@@ -91,11 +86,7 @@ def test_after_trim_a_phase_below_the_old_peak_stitches_again():
     device, pool = _pool(stitch=True)
     pool.free(pool.allocate(512 * MiB))  # the phase before, higher than everything after it
     assert pool.trim() == 512 * MiB
-    a = pool.allocate(64 * MiB)
-    sep = pool.allocate(8 * MiB)
-    pool.free(a)
-    c = pool.allocate(96 * MiB)
-    pool.validate()
+    _, sep, c = hole_then_larger(pool)
     # The hole's units back c, as in a fresh pool (test_a_block_past_the_high_water_...).
     assert _reserved(pool) == device.used_bytes == 104 * MiB
     assert device.aliased_units == 8
@@ -113,11 +104,7 @@ def test_a_pool_under_a_cap_or_a_limit_does_not_stitch(bound):
     pool = _C.Pool(device, stitch=True, cap=GiB if bound == "cap" else 0)
     if bound == "limit":
         pool.set_limit(GiB)
-    a = pool.allocate(64 * MiB)
-    pool.allocate(8 * MiB)
-    pool.free(a)
-    pool.allocate(96 * MiB)
-    pool.validate()
+    hole_then_larger(pool)
     assert _reserved(pool) == device.used_bytes == 168 * MiB
     assert device.aliased_units == 0
     if bound == "limit":  # lifted: the next block past the high water is stitched from the hole

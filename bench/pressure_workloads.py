@@ -2,6 +2,7 @@
 
     python bench/pressure_workloads.py WORKLOAD ALLOCATOR [--fraction F] [--stop-on-oom] [--quick]
                                        [--passes N] [--release-slack S] [--bound fraction|device]
+                                       [--lockstep]
     python bench/pressure_workloads.py WORKLOAD none --device cpu --tiny     # the code path, on the CPU
 
 Prints one JSON line: OOM steps, step time, torch's peak allocated / reserved bytes, the device's
@@ -43,6 +44,10 @@ the shapes repeat; None for async and rmm, whose statistics do not count them) a
 steady_max_allocated / steady_max_reserved (the peaks over every pass). With --stop-on-oom an OOM in
 any pass ends the run, and the pass it ended has no step time. pass_step_ms lists each pass's mean
 step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
+
+--lockstep makes the run one of several taking turns on the GPU (bench/lockstep.py starts them): it
+waits for a line on stdin before each pass and prints that pass's figures as a `PASS {json}` line after
+it, so that the passes of all the allocators compared follow each other closely in time.
 
 --release-slack S (gpumem_hw only) sets gpumem's release_slack: how far reserved may exceed the live
 high water (gpumem's default 0.005).
@@ -612,6 +617,8 @@ def run(args) -> dict:
     peaks: dict = {}
     device_short = False
     for done in range(args.passes):
+        if args.lockstep and not sys.stdin.readline():
+            break  # the driver (bench/lockstep.py) has ended the run: no more turns
         if bound and done == args.ballast_freed_after:
             bound["ballast"].free()  # the memory outside goes: can the allocator use it again?
         ooms, first_oom, oom_text, t0, calls0, driver0, stopped = 0, None, "", None, None, None, False
@@ -645,6 +652,8 @@ def run(args) -> dict:
                            driver=None if driver1 is None else {k: driver1[k] - driver0[k] for k in driver1}))
         if len(passes) == 1:
             peaks = memory_peaks(torch, rmm_resources)  # the first pass's: what the cap search's runs see
+        if args.lockstep:  # this turn's figures, for the driver, before it hands the GPU on
+            print("PASS " + json.dumps(lockstep_pass(passes[-1], steps - start, peaks, total)), flush=True)
         if stopped:
             break
     timed = steps - start
@@ -670,6 +679,18 @@ def run(args) -> dict:
     if later and DEVICE.type == "cuda":  # the peaks over every pass: whether repeating the shapes grew them
         result.update({"steady_" + k: v for k, v in memory_peaks(torch, rmm_resources).items()})
     return result
+
+
+def lockstep_pass(p: dict, timed: int, peaks: dict, total: int) -> dict:
+    """One pass's figures as --lockstep prints them after it: its mean timed step (None: stopped at an
+    OOM), OOM steps, device calls and gpumem's driver ms per timed step (None: not counted), and the
+    first pass's peaks and the device's total (the driver derives a cap from native's)."""
+    per_step = (lambda x: None if x is None else x / timed)
+    return dict(step_ms=None if p["seconds"] is None else 1000 * p["seconds"] / timed, ooms=p["ooms"],
+                device_calls=per_step(None if p["calls"] is None else sum(p["calls"])),
+                driver_ms=per_step(None if not p["driver"] else driver_call_ms(p["driver"])),
+                wait_ms=per_step(None if not p["driver"] else p["driver"].get("wait", 0.0)),
+                max_allocated=peaks.get("max_allocated"), total_bytes=total)
 
 
 def memory_peaks(torch, rmm_resources) -> dict:
@@ -741,6 +762,10 @@ def parse_args(argv=None):
     ap.add_argument("--bound", default="fraction", choices=("fraction", "device"),
                     help="how --fraction bounds the run: set_per_process_memory_fraction (default), or "
                          "device: a ballast leaves the allocator that share of the device (above)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="take turns with other workers (bench/lockstep.py): wait for a line on stdin "
+                         "before each pass, print its figures as a 'PASS {json}' line after it; end "
+                         "the run early at the end of stdin")
     ap.add_argument("--ballast-freed-after", type=int, default=None, metavar="K",
                     help="--bound device: the ballast goes back to the device after pass K of --passes, as "
                          "memory outside the allocator freed mid-run (does the allocator use it again?)")

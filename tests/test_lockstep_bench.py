@@ -1,0 +1,115 @@
+"""bench/lockstep.py without a GPU: its workers (bench/pressure_workloads.py --lockstep) take turns and
+end when told, the driver runs every round and keeps to its budget, and the comparison pairs each
+round's passes and leaves out those with OOM steps. The step times themselves need the GPU machine."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+import lockstep  # noqa: E402  (imports no torch)
+
+
+def run(*args, script="lockstep.py", stdin=None):
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          timeout=300, input=stdin)
+
+
+def test_a_lockstep_worker_runs_one_pass_per_line_and_stops_at_the_end_of_its_input():
+    r = run("bert", "none", "--device", "cpu", "--tiny", "--passes", "3", "--lockstep",
+            script="pressure_workloads.py", stdin="go\ngo\n")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    passes = [json.loads(x[5:]) for x in lines if x.startswith("PASS ")]
+    assert len(passes) == 2  # two lines, two passes; the third waited for a line that never came
+    assert all(p["step_ms"] > 0 and p["ooms"] == 0 for p in passes)
+    final = json.loads(lines[-1])
+    assert len(final["pass_step_ms"]) == 2 and final["pass_step_ms"][1] == pytest.approx(passes[1]["step_ms"])
+
+
+def test_workers_take_turns_through_every_round_on_the_cpu(tmp_path):
+    out = tmp_path / "ls.json"
+    r = run("--device", "cpu", "--workloads", "bert,allocfree", "--allocators", "gpumem,native",
+            "--rounds", "3", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    for w in ("bert", "allocfree"):
+        group = data[w]["uncapped"]["group"]
+        assert list(group) == ["native", "gpumem"]  # native first: its first pass gives P
+        for a, v in group.items():
+            assert v["error"] is None and len(v["rounds"]) == 4, (w, a)
+            assert all(p["step_ms"] > 0 for p in v["rounds"])
+            assert len(v["final"]["pass_step_ms"]) == 4  # the worker's own record of the same passes
+        s = data[w]["uncapped"]["summary"]
+        assert s["compared_rounds"] == 3 and s["reference"] == "native"
+        assert len(s["allocators"]["gpumem"]["ratios"]) == 3
+        assert f"{w} uncapped: 3 rounds compared; reference native" in r.stdout
+    assert "round 0 (first pass, not compared)" in r.stderr and "round 3:" in r.stderr
+
+
+def test_the_budget_ends_a_group_after_one_compared_round_and_the_workers_exit_cleanly(tmp_path):
+    out = tmp_path / "ls.json"
+    r = run("--device", "cpu", "--workloads", "moe", "--allocators", "native,expandable", "--rounds", "50",
+            "--budget-s", "0.001", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    group = json.loads(out.read_text())["moe"]["uncapped"]["group"]
+    for v in group.values():
+        assert v["error"] is None and len(v["rounds"]) == 2
+        assert len(v["final"]["pass_step_ms"]) == 2  # told to stop: 2 of its 51 passes, then its JSON line
+    assert "budget of 0 s spent after 1 compared rounds" in r.stderr
+
+
+def passes(*ms_and_ooms):
+    return [dict(step_ms=ms, ooms=ooms, device_calls=None, driver_ms=None) for ms, ooms in ms_and_ooms]
+
+
+def test_the_summary_pairs_rounds_and_leaves_out_the_passes_with_oom_steps():
+    group = {
+        "native": dict(rounds=passes((50, 0), (9, 3), (9, 3), (9, 3)), error=None, final={}),
+        "expandable": dict(rounds=passes((50, 0), (10, 0), (20, 0), (12, 1)), error=None, final={}),
+        "gpumem": dict(rounds=passes((50, 0), (10.5, 0), (19, 0), (11, 0)), error=None, final={}),
+    }
+    s = lockstep.summarize(group, capped=True)
+    assert s["reference"] == "expandable" and s["compared_rounds"] == 3
+    g = s["allocators"]["gpumem"]
+    # Round 3: expandable had an OOM step, so gpumem's pass there is compared with nothing.
+    assert g["ratios"] == pytest.approx([1.05, 0.95]) and g["ratio_rounds"] == 2
+    assert g["median_ms"] == 11 and g["ooms_per_pass"] == 0
+    assert "ratio" not in s["allocators"]["native"]  # OOM steps in every round: no time to compare
+    assert s["allocators"]["native"]["ooms_per_pass"] == 3
+    # Uncapped the reference is the fastest PyTorch allocator over its rounds without OOM steps.
+    assert lockstep.summarize(group, capped=False)["reference"] == "expandable"
+    table = lockstep.table("moe", "at 1.05x", s)
+    assert "target: median ratio <= 1.00" in table
+    row = next(x for x in table.splitlines() if x.startswith("gpumem"))
+    assert row.split()[3:8] == ["1.0000", "0.9750", "1.0250", "2", "met"]  # the median of 1.05 and 0.95
+    row = next(x for x in table.splitlines() if x.startswith("native"))
+    assert row.split()[2] == "3" and " - " in row
+
+
+def test_a_worker_that_failed_leaves_its_rounds_out_and_is_reported():
+    group = {
+        "native": dict(rounds=passes((50, 0), (10, 0), (10, 0)), error=None, final={}),
+        "gpumem": dict(rounds=[*passes((50, 0), (10, 0)), None], error="exited (code 1): boom", final={}),
+    }
+    s = lockstep.summarize(group, capped=False)
+    assert s["compared_rounds"] == 1 and s["allocators"]["gpumem"]["ratios"] == [1.0]
+    assert "exited (code 1): boom" in lockstep.table("bert", "uncapped", s)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--allocators", "gpumem"], "two or more distinct"),
+    (["--allocators", "gpumem,gpumem"], "two or more distinct"),
+    (["--allocators", "gpumem,gpumem_hw"], "needs a PyTorch allocator"),
+    (["--allocators", "native,rmm"], "two or more distinct"),
+    (["--allocators", "expandable,gpumem", "--cap", "1.05"], "needs native"),
+    (["--cap", "9"], "0.5 <= K <= 4"),
+    (["--workloads", "nope"], "unknown workload"),
+    (["--rounds", "0"], "at least 1"),
+])
+def test_bad_arguments_are_refused(args, message):
+    r = run(*args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -7,6 +7,11 @@
 #   RESUME=F bash tools/pressure_gpu.sh 1  # ... going on with the searches of an earlier call's JSON F
 #                                          # (pressure_1.json, brought back from $OUT and carried)
 #   bash tools/pressure_gpu.sh growth      # what growing the pool costs per allocator (~2 min)
+#   bash tools/pressure_gpu.sh lockstep W  # step times in lockstep (bench/lockstep.py), uncapped and at
+#                                          # 1.05x, workloads W (comma-separated); ROUNDS (12) and BUDGET
+#                                          # (60 s a group) as in the environment. One H100 call holds
+#                                          # allocfree,bert,ckpt or resnet,vit,moe,varlen; generate
+#                                          # alone (its first pass alone takes ~50 s a worker)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"  # repository root, $OUT, the carried RMM wheels on the path
 case "${1:-}" in
@@ -21,5 +26,8 @@ case "${1:-}" in
   1|2|3) timeout 480 python3 bench/pressure.py --workloads "$W" --budget-s 400 --json "$OUT/pressure_$1.json" \
            ${RESUME:+--resume "$RESUME"} \
            > "$OUT/pressure_$1.log" 2>&1; echo "rc=$?"; tail -25 "$OUT/pressure_$1.log" ;;
-  *) echo "usage: $0 tests|growth|1|2|3" >&2; exit 2 ;;
+  lockstep) timeout 520 python3 bench/lockstep.py --workloads "${2:-bert}" --cap 1.05 --rounds "${ROUNDS:-12}" \
+              --budget-s "${BUDGET:-60}" --json "$OUT/lockstep.json" > "$OUT/lockstep.log" 2> "$OUT/lockstep.progress"
+            echo "rc=$?"; cat "$OUT/lockstep.log" ;;
+  *) echo "usage: $0 tests|growth|1|2|3|lockstep W" >&2; exit 2 ;;
 esac

@@ -48,6 +48,9 @@ allocator: each capped run leaves its allocator the cap's bytes of the device an
 a ballast of its own (bench/pressure_workloads.py: after one unmeasured pass over the steps), one
 trial at a time.
 
+Step times to 1%: runs of one allocator a minute apart can differ by more than that (the host's speed
+drifts), so bench/lockstep.py compares allocators whose processes take turns, pass by pass, instead.
+
 Prints a table (caps, step times, ratios to the best PyTorch allocator) and, with --json, writes every
 figure and trial (each timed run's figures in the rows' ``*_runs`` lists, each worker's whole result,
 its steady peaks included, in ``trials``). --dry-run prints the plan and runs nothing; --device cpu
@@ -512,7 +515,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs (uncapped, and at 1.05x) per allocator, interleaved; the median is "
                          "shown, every run kept in the JSON (default 1; step-time differences of a few %% "
-                         "need 3 or more: two runs of one allocator can differ by 10%%)")
+                         "need 3 or more: two runs of one allocator can differ by 10%%; for 1%%, "
+                         "bench/lockstep.py)")
     ap.add_argument("--passes", type=int, default=2,
                     help="passes over the step list of each timed run (default 2): the first's step time, "
                          "and the later ones' (steady: the same shapes again); 1: the first pass alone. "

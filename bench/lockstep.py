@@ -30,9 +30,9 @@ step are left out of the ratios (counted in `oom rounds`).
 native's peak allocated bytes over its first pass in the uncapped group, which therefore runs first
 and must include native. Uncapped, the workers' caches share the device's memory: a worker whose pass
 meets the device's end shows OOM rounds, and the figures of such a run say so. --budget-s stops a
-group from starting another round after that many seconds (at least one compared round is run);
---rounds caps it. --device cpu runs each workload tiny on the CPU with no allocator (every worker the
-same code; the path CI covers).
+group from starting another round once its compared rounds have taken that many seconds (round 0 not
+counted; at least one compared round is run); --rounds caps it. --device cpu runs each workload tiny
+on the CPU with no allocator (every worker the same code; the path CI covers).
 
 Writes every round's figures and each worker's final JSON line (its peaks) with --json.
 """
@@ -124,10 +124,13 @@ class Worker:
                 self.proc.stdin.close()
             except OSError:
                 pass
-            while (line := self.lines.get(timeout=TURN_TIMEOUT_S)) is not None:
-                if line.startswith("{"):
-                    self.final = json.loads(line)
-            if self.proc.wait() != 0:
+            try:
+                while (line := self.lines.get(timeout=TURN_TIMEOUT_S)) is not None:
+                    if line.startswith("{"):
+                        self.final = json.loads(line)
+            except queue.Empty:
+                self._fail(f"did not exit {TURN_TIMEOUT_S} s after its last turn")
+            if not self.error and self.proc.wait() != 0:
                 self._fail(f"exited (code {self.proc.returncode})")
         self.stderr.close()
         return self.final
@@ -139,9 +142,11 @@ def run_group(workload: str, allocators: list, fraction_of: dict, args, log) -> 
     Returns {allocator: {"rounds": [PASS figures or None per round], "error", "final"}}."""
     workers = [Worker(workload, a, args.rounds + 1, fraction_of.get(a), args.device) for a in allocators]
     rounds: dict = {w.allocator: [] for w in workers}
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # from the end of round 0: the budget is the compared rounds'
     r = 0
     while r <= args.rounds:
+        if r == 1:
+            t0 = time.monotonic()
         if r >= 2 and time.monotonic() - t0 > args.budget_s:
             log(f"  budget of {args.budget_s:.0f} s spent after {r - 1} compared rounds")
             break
@@ -236,7 +241,8 @@ def parse_args(argv=None):
                     help="also a capped group at this multiple of native's uncapped peak allocated "
                          "(e.g. 1.05)")
     ap.add_argument("--budget-s", type=float, default=150,
-                    help="no new round of a group after this many seconds (default 150)")
+                    help="no new round of a group once its compared rounds took this many seconds "
+                         "(default 150)")
     ap.add_argument("--json", help="write every round's figures here")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: each workload tiny, no allocator (the code path)")

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
            "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py",
-           "growth_cost.py", "record_trace.py", "remap_at_cap.py"]
+           "growth_cost.py", "record_trace.py", "remap_at_cap.py", "lockstep.py"]
 
 
 def run(args, cwd, **kw):

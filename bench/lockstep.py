@@ -5,10 +5,11 @@
 
 Why. The step time of one allocator differs from run to run by more than the 1% that the project's
 targets ask about. On the GPU machine (one H100, 2026-11-27) allocfree's steady step with PyTorch's
-native allocator was 5.0 to 10.3 ms over twelve runs, pinned to CPUs or not; each run's own passes
-agreed within a few percent while runs a minute apart differed twofold: the host's speed drifts over
-seconds, so two allocators run one after the other meet different hosts, and bench/pressure.py's
-timed runs (one process per run, in turn) need many repeats to see 1%.
+native allocator was 5.0 to 10.3 ms over twelve runs, pinned to CPUs or not; the passes of one run
+agreed within 8% in eight of the twelve runs while runs a minute apart differed up to
+twofold, as if the host's speed drifted over seconds: two allocators run one after the other meet
+different hosts, and bench/pressure.py's timed runs (one process per run, in turn) need many repeats
+to see 1%.
 
 Here the workers (bench/pressure_workloads.py --lockstep, one per allocator) start together and each
 keeps its process, CUDA context and cache to the end; then they take turns, one pass over the

@@ -13,7 +13,8 @@ in bench/traces/ were recorded this way on one H100 (torch 2.11.0+cu130).
 
 allocfree's requests depend on nothing but its seeded random numbers, so its trace is written from
 them (pressure_workloads.allocfree_plan), on any machine, without torch: the same sizes (rounded to
-512 bytes, as PyTorch's allocator records them) and frees, in the order the workload makes them.
+512 bytes, as PyTorch's allocator records them) and frees, in the order the workload makes them, and
+at the end the frees of the tensors the next pass's first step drops.
 """
 import argparse
 import gzip
@@ -51,7 +52,10 @@ def snapshot_to_trace(snapshot: dict, device: int = 0) -> tuple:
 def allocfree_trace(seed: int = 0) -> tuple:
     """(lines, allocations, peak live bytes) of allocfree's requests as bench/pressure_workloads.py
     makes them with `seed` (pressure_workloads.allocfree_plan): one tensor after another, each followed
-    by the free the plan says."""
+    by the free the plan says; then a free of each tensor still alive, as the first step of the bench's
+    next pass drops them. Without those frees a replay with passes > 1 would keep them as tensors made
+    once (a model's weights) and skip their allocations in the later passes, where the bench makes them
+    again: its later passes' layout, and their remapping, would not be the GPU's."""
     import random
 
     import pressure_workloads as pw
@@ -66,6 +70,8 @@ def allocfree_trace(seed: int = 0) -> tuple:
         if frees[j] is not None:
             lines.append(f"f {frees[j]}")
             alive -= rounded[frees[j]]
+    freed = {j for j in frees if j is not None}
+    lines += [f"f {j}" for j in range(len(sizes)) if j not in freed]  # dropped by the next pass's first step
     return lines, len(sizes), peak
 
 

@@ -374,7 +374,7 @@ def test_record_trace_writes_allocfree_from_its_seeded_requests_without_a_gpu(tm
             freed.add(ln[1])
         most = max(most, len(alive))
     assert most == pw.ALLOCFREE_LIVE + 1 and not alive and len(freed) == len(sizes)
-    assert all(ln[0] == "f" for ln in lines[-pw.ALLOCFREE_LIVE:])  # the survivors, freed after the last allocation
+    assert all(ln[0] == "f" for ln in lines[-pw.ALLOCFREE_LIVE:])  # the survivors, after the last allocation
     gpumem = pytest.importorskip("gpumem")
     report = gpumem.replay(out)
     assert report.allocations == len(sizes) and report.ooms == 0 and report.fragmentation >= 1.0

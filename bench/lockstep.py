@@ -50,12 +50,10 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "pressure_workloads.py")
-sys.path.insert(0, HERE)
-from pressure_workloads import ALLOCATORS, WORKLOADS  # noqa: E402  (imports no torch)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pressure import TORCH_ALLOCATORS, WORKER, fmt, worker_env  # (imports no torch)
+from pressure_workloads import ALLOCATORS, WORKLOADS
 
-TORCH_ALLOCATORS = ("native", "expandable", "async")
 TURN_TIMEOUT_S = 600  # one pass of one worker: far past any workload's; a worker stuck longer is ended
 # The issue's targets, as a bound on the median per-round ratio: uncapped "<= the fastest PyTorch
 # allocator's + 1%", at a cap "<= expandable_segments'".
@@ -75,9 +73,8 @@ class Worker:
             cmd += ["--fraction", f"{fraction:.8f}"]
         self.allocator = allocator
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty worker cannot block
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                     text=True, env=env)
+                                     text=True, env=worker_env())
         self.lines: queue.Queue = queue.Queue()
         self.error: str | None = None
         self.final: dict = {}
@@ -205,15 +202,11 @@ def summarize(group: dict, capped: bool) -> dict:
             row["reserved_over_allocated"] = (final.get("steady_max_reserved", final.get("max_reserved", 0))
                                               / final.get("steady_max_allocated", final["max_allocated"]))
         rows[a] = row
-    return dict(reference=reference, compared_rounds=len(compared), allocators=rows)
-
-
-def fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    return dict(reference=reference, capped=capped, compared_rounds=len(compared), allocators=rows)
 
 
 def table(workload: str, label: str, s: dict) -> str:
-    target = TARGET_UNCAPPED if label == "uncapped" else TARGET_CAPPED
+    target = TARGET_CAPPED if s["capped"] else TARGET_UNCAPPED
     head = (f"{workload} {label}: {s['compared_rounds']} rounds compared; reference {s['reference'] or '-'}; "
             f"target: median ratio <= {target:.2f}")
     lines = [head, f"{'allocator':<16}{'median ms':>10}{'OOM/pass':>9}{'ratio':>8}{'q1':>8}{'q3':>8}{'of':>4}"

@@ -152,6 +152,12 @@ class Search:
 # ----------------------------------------------------------------------------- running trials
 
 
+def worker_env() -> dict:
+    """The environment a worker (bench/pressure_workloads.py) starts with, here and in bench/lockstep.py:
+    one OpenMP thread (workers side by side do not oversubscribe the CPU) and unbuffered output."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 @dataclass
 class Trial:
     workload: str
@@ -202,9 +208,8 @@ class Runner:
         return int(self.fraction(t) * self.total) if t.cap is not None else self.total
 
     def _start(self, t: Trial):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         return subprocess.Popen(self.command(t), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
+                                env=worker_env())
 
     def _finish(self, t: Trial, proc) -> None:
         out, err = proc.communicate()

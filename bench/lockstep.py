@@ -16,7 +16,8 @@ keeps its process, CUDA context and cache to the end; then they take turns, one 
 workload's steps each, in an order that rotates every round, so that one round's passes lie within a
 few seconds of each other. Round 0 is each worker's first pass (shapes new to the process: one-time
 costs that are no allocator's) and is not compared; rounds 1..R are. A worker waiting for its turn
-blocks on a pipe: it takes no CPU and launches nothing on the GPU.
+blocks on a pipe: it takes no CPU and launches nothing on the GPU. --first-pass together runs round 0's
+passes at once (generate's first pass is ~50 s a worker, its later ones ~3 s).
 
 Per round, each allocator's step time over the reference's of the same round; the reference is the
 PyTorch allocator (native, expandable, async; those run) with the lowest median step over the
@@ -93,13 +94,22 @@ class Worker:
 
     def turn(self) -> dict | None:
         """Runs one pass: its figures (the worker's PASS line), or None where the worker failed (error)."""
+        self.go()
+        return self.wait()
+
+    def go(self) -> None:
+        """Starts the worker's next pass without waiting for it (wait() collects it)."""
         if self.error:
-            return None
+            return
         try:
             self.proc.stdin.write("go\n")
             self.proc.stdin.flush()
         except OSError:
             self._fail(f"exited (code {self.proc.poll()})")
+
+    def wait(self) -> dict | None:
+        """The pass that go() started: its figures, or None where the worker failed (error)."""
+        if self.error:
             return None
         while True:
             try:
@@ -111,7 +121,7 @@ class Worker:
                 self._fail(f"exited (code {self.proc.wait()})")
                 return None
             if line.startswith("PASS "):
-                return json.loads(line[5:])
+                return dict(json.loads(line[5:]), collected=time.time())  # (and the worker's `started`)
             if line.startswith("{"):
                 self.final = json.loads(line)
 
@@ -149,8 +159,14 @@ def run_group(workload: str, allocators: list, fraction_of: dict, args, log) -> 
             log(f"  budget of {args.budget_s:.0f} s spent after {r - 1} compared rounds")
             break
         k = r % len(workers)
-        for w in workers[k:] + workers[:k]:  # round 0: in the given order (native first)
-            rounds[w.allocator].append(w.turn())
+        if r == 0 and args.first_pass == "together":
+            for w in workers:  # every first pass at once: not compared, so only its length matters
+                w.go()
+            for w in workers:
+                rounds[w.allocator].append(w.wait())
+        else:
+            for w in workers[k:] + workers[:k]:  # round 0: in the given order (native first)
+                rounds[w.allocator].append(w.turn())
         done = "  ".join(f"{a} {fmt((p or {}).get('step_ms'), '.1f')}" for a, p in
                          ((a, rounds[a][-1]) for a in allocators))
         log(f"  round {r}{' (first pass, not compared)' if r == 0 else ''}: {done}")
@@ -237,6 +253,10 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=150,
                     help="no new round of a group once its compared rounds took this many seconds "
                          "(default 150)")
+    ap.add_argument("--first-pass", default="turns", choices=("turns", "together"),
+                    help="round 0 (not compared) in turns like the others (default), or every worker's "
+                         "at once: shorter where a first pass is long (generate: ~50 s a worker), but the "
+                         "uncapped workers' caches then share the device's memory at once")
     ap.add_argument("--json", help="write every round's figures here")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: each workload tiny, no allocator (the code path)")

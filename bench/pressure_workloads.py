@@ -619,6 +619,7 @@ def run(args) -> dict:
     for done in range(args.passes):
         if args.lockstep and not sys.stdin.readline():
             break  # the driver (bench/lockstep.py) has ended the run: no more turns
+        turn_started = time.time()  # wall clock: the driver compares it with its own
         if bound and done == args.ballast_freed_after:
             bound["ballast"].free()  # the memory outside goes: can the allocator use it again?
         ooms, first_oom, oom_text, t0, calls0, driver0, stopped = 0, None, "", None, None, None, False
@@ -653,7 +654,8 @@ def run(args) -> dict:
         if len(passes) == 1:
             peaks = memory_peaks(torch, rmm_resources)  # the first pass's: what the cap search's runs see
         if args.lockstep:  # this turn's figures, for the driver, before it hands the GPU on
-            print("PASS " + json.dumps(lockstep_pass(passes[-1], steps - start, peaks, total)), flush=True)
+            print("PASS " + json.dumps(dict(lockstep_pass(passes[-1], steps - start, peaks, total),
+                                            started=turn_started)), flush=True)
         if stopped:
             break
     timed = steps - start

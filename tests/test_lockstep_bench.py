@@ -62,6 +62,25 @@ def test_the_budget_ends_a_group_after_one_compared_round_and_the_workers_exit_c
     assert "budget of 0 s spent after 1 compared rounds" in r.stderr
 
 
+@pytest.mark.parametrize("first_pass", ["turns", "together"])
+def test_round_0_runs_in_turns_or_every_first_pass_at_once(tmp_path, first_pass):
+    out = tmp_path / "ls.json"
+    r = run("--device", "cpu", "--workloads", "bert", "--allocators", "native,gpumem,expandable",
+            "--rounds", "2", "--first-pass", first_pass, "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    group = json.loads(out.read_text())["bert"]["uncapped"]["group"]
+    first = [group[a]["rounds"][0] for a in ("native", "gpumem", "expandable")]
+    # started: when the worker read its turn; collected: when the driver read the pass's figures.
+    if first_pass == "together":  # every worker was started before the first pass was read
+        assert max(p["started"] for p in first) < min(p["collected"] for p in first)
+    else:  # each began after the one before had been read
+        assert all(b["started"] > a["collected"] for a, b in zip(first, first[1:]))
+    for a in group:  # the compared rounds take turns either way
+        one, two = group[a]["rounds"][1], group[a]["rounds"][2]
+        assert one["started"] < one["collected"] < two["started"]
+    assert json.loads(out.read_text())["bert"]["uncapped"]["summary"]["compared_rounds"] == 2
+
+
 def passes(*ms_and_ooms):
     return [dict(step_ms=ms, ooms=ooms, device_calls=None, driver_ms=None) for ms, ooms in ms_and_ooms]
 

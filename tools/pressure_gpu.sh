@@ -11,7 +11,8 @@
 #                                          # 1.05x, workloads W (comma-separated); ROUNDS (12) and BUDGET
 #                                          # (60 s a group) as in the environment. One H100 call holds
 #                                          # allocfree,bert,ckpt or resnet,vit,moe,varlen; generate
-#                                          # alone (its first pass alone takes ~50 s a worker)
+#                                          # alone, with FIRST=together (its first pass takes ~50 s a
+#                                          # worker: round 0's passes at once)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"  # repository root, $OUT, the carried RMM wheels on the path
 case "${1:-}" in
@@ -27,7 +28,7 @@ case "${1:-}" in
            ${RESUME:+--resume "$RESUME"} \
            > "$OUT/pressure_$1.log" 2>&1; echo "rc=$?"; tail -25 "$OUT/pressure_$1.log" ;;
   lockstep) timeout 520 python3 bench/lockstep.py --workloads "${2:-bert}" --cap 1.05 --rounds "${ROUNDS:-12}" \
-              --budget-s "${BUDGET:-60}" --json "$OUT/lockstep.json" > "$OUT/lockstep.log" 2> "$OUT/lockstep.progress"
+              --budget-s "${BUDGET:-60}" --first-pass "${FIRST:-turns}" --json "$OUT/lockstep.json" > "$OUT/lockstep.log" 2> "$OUT/lockstep.progress"
             echo "rc=$?"; cat "$OUT/lockstep.log" ;;
   *) echo "usage: $0 tests|growth|1|2|3|lockstep W" >&2; exit 2 ;;
 esac

@@ -53,7 +53,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pressure import TORCH_ALLOCATORS, WORKER, fmt, worker_env  # (imports no torch)
-from pressure_workloads import ALLOCATORS, WORKLOADS
+from pressure_workloads import ALLOCATORS, WORKLOADS, gpumem_conf
 
 TURN_TIMEOUT_S = 600  # one pass of one worker: far past any workload's; a worker stuck longer is ended
 # The issue's targets, as a bound on the median per-round ratio: uncapped "<= the fastest PyTorch
@@ -79,6 +79,7 @@ class Worker:
         self.lines: queue.Queue = queue.Queue()
         self.error: str | None = None
         self.final: dict = {}
+        self.sent = 0.0  # when go() last gave the worker a turn
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -101,6 +102,7 @@ class Worker:
         """Starts the worker's next pass without waiting for it (wait() collects it)."""
         if self.error:
             return
+        self.sent = time.monotonic()
         try:
             self.proc.stdin.write("go\n")
             self.proc.stdin.flush()
@@ -121,7 +123,8 @@ class Worker:
                 self._fail(f"exited (code {self.proc.wait()})")
                 return None
             if line.startswith("PASS "):
-                return dict(json.loads(line[5:]), collected=time.time())  # (and the worker's `started`)
+                # When the driver gave the turn and read its end (monotonic seconds): the order of turns.
+                return dict(json.loads(line[5:]), sent=self.sent, collected=time.monotonic())
             if line.startswith("{"):
                 self.final = json.loads(line)
 
@@ -225,12 +228,13 @@ def table(workload: str, label: str, s: dict) -> str:
     target = TARGET_CAPPED if s["capped"] else TARGET_UNCAPPED
     head = (f"{workload} {label}: {s['compared_rounds']} rounds compared; reference {s['reference'] or '-'}; "
             f"target: median ratio <= {target:.2f}")
-    lines = [head, f"{'allocator':<16}{'median ms':>10}{'OOM/pass':>9}{'ratio':>8}{'q1':>8}{'q3':>8}{'of':>4}"
+    width = max([16] + [len(a) + 1 for a in s["allocators"]])  # gpumem+KEY:VALUE names are long
+    lines = [head, f"{'allocator':<{width}}{'median ms':>10}{'OOM/pass':>9}{'ratio':>8}{'q1':>8}{'q3':>8}{'of':>4}"
                    f"  {'target':<8}{'calls/step':>11}{'drv ms/step':>12}{'res/alloc':>10}  error"]
     for a, row in s["allocators"].items():
         ratio = row.get("ratio")
         within = "-" if ratio is None or a == s["reference"] else ("met" if ratio <= target else "not met")
-        lines.append(f"{a:<16}{fmt(row['median_ms'], '.2f'):>10}{fmt(row['ooms_per_pass'], 'g'):>9}"
+        lines.append(f"{a:<{width}}{fmt(row['median_ms'], '.2f'):>10}{fmt(row['ooms_per_pass'], 'g'):>9}"
                      f"{fmt(ratio, '.4f'):>8}"
                      f"{fmt(row.get('ratio_q1'), '.4f'):>8}{fmt(row.get('ratio_q3'), '.4f'):>8}"
                      f"{fmt(row.get('ratio_rounds'), 'd'):>4}  {within:<8}"
@@ -245,7 +249,9 @@ def parse_args(argv=None):
                     help=f"comma-separated, from {','.join(WORKLOADS)} (default bert)")
     ap.add_argument("--allocators", default="native,expandable,async,gpumem",
                     help=f"comma-separated, from {','.join(a for a in ALLOCATORS if a != 'rmm')} "
-                         "(default native,expandable,async,gpumem); names repeat at most once")
+                         "(default native,expandable,async,gpumem); names repeat at most once; a gpumem "
+                         "name with GPUMEM_CONF keys added after '+' is a configuration of its own "
+                         "(gpumem+stitch_slack:0.015)")
     ap.add_argument("--rounds", type=int, default=12, help="compared rounds per group, at most (default 12)")
     ap.add_argument("--cap", type=float, default=None,
                     help="also a capped group at this multiple of native's uncapped peak allocated "
@@ -266,7 +272,7 @@ def parse_args(argv=None):
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.workloads:
         ap.error(f"unknown workload(s) {bad}; choose from {','.join(WORKLOADS)}")
-    bad = [a for a in args.allocators if a not in ALLOCATORS or a == "rmm"]
+    bad = [a for a in args.allocators if (a not in ALLOCATORS and gpumem_conf(a) is None) or a == "rmm"]
     if bad or len(args.allocators) < 2 or len(set(args.allocators)) != len(args.allocators):
         ap.error(f"--allocators needs two or more distinct names from {','.join(ALLOCATORS[:-1])}; got "
                  f"{','.join(args.allocators)}")

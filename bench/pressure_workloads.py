@@ -83,6 +83,26 @@ TORCH_ALLOC_CONF = {"native": "", "expandable": "expandable_segments:True", "asy
 # shell changes nothing.
 GPUMEM_CONF = {"gpumem": "release:lazy,stitch:true", "gpumem_nostitch": "release:lazy,stitch:false",
                "gpumem_hw": "release:high_water,stitch:false"}
+
+
+def gpumem_conf(name: str) -> str | None:
+    """The GPUMEM_CONF of a gpumem configuration: one of GPUMEM_CONF's names, or such a name with keys
+    added after '+' (`gpumem+stitch_slack:0.015`, `gpumem+stitch_slack:0.02+page_size:2MiB`: the
+    driver's lists are comma-separated); None for any other allocator. The pool checks the keys."""
+    base, *extra = name.split("+")
+    if base not in GPUMEM_CONF or not all(extra):
+        return None
+    return ",".join([GPUMEM_CONF[base], *extra])
+
+
+def allocator_arg(text: str) -> str:
+    """The argparse type of the worker's allocator: ALLOCATORS, 'none', or a gpumem name with keys."""
+    if text in ALLOCATORS or text == "none" or gpumem_conf(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is none of {', '.join(ALLOCATORS + ('none',))} nor "
+                                     "gpumem+KEY:VALUE[+KEY:VALUE]")
+
+
 WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", "ckpt")
 # Bytes of device memory one worker uses outside its cap (CUDA context, cuBLAS/cuDNN handles): the
 # driver keeps the parallel trials' caps plus this under the device's memory.
@@ -104,8 +124,8 @@ def release_slack_arg(text: str) -> float:
 def select_allocator(name: str, fraction: float | None, release_slack: float | None = None) -> None:
     """Make `name` torch's CUDA allocator; before anything starts CUDA (rmm: after, see rmm_pool).
     `release_slack`: gpumem_hw's slack above the live high water (None: gpumem's default)."""
-    if name in GPUMEM_CONF:
-        conf = GPUMEM_CONF[name]
+    conf = gpumem_conf(name)
+    if conf is not None:
         if release_slack is not None:
             conf += f",release_slack:{release_slack}"
         os.environ["GPUMEM_CONF"] = conf
@@ -499,9 +519,9 @@ COUNTED = ("native", "expandable", "gpumem", "gpumem_nostitch", "gpumem_hw")
 
 def device_calls(torch, allocator: str):
     """(num_device_alloc, num_device_free) so far, or None where the allocator does not count them."""
-    if DEVICE.type != "cuda" or allocator not in COUNTED:
+    if DEVICE.type != "cuda" or (allocator not in COUNTED and gpumem_conf(allocator) is None):
         return None
-    if allocator in GPUMEM_CONF:
+    if gpumem_conf(allocator) is not None:
         import gpumem  # its pool's own counters (torch's memory_stats keeps torch's keys)
 
         stats = gpumem.stats()
@@ -515,7 +535,7 @@ def device_calls(torch, allocator: str):
 def driver_ms(allocator: str):
     """{kind: ms} gpumem's pools have spent so far per kind of upstream call (gpumem.driver_time():
     map, unmap, segment, event; wait, for the device), or None for another allocator."""
-    if DEVICE.type != "cuda" or allocator not in GPUMEM_CONF:
+    if DEVICE.type != "cuda" or gpumem_conf(allocator) is None:
         return None
     import gpumem
 
@@ -619,7 +639,6 @@ def run(args) -> dict:
     for done in range(args.passes):
         if args.lockstep and not sys.stdin.readline():
             break  # the driver (bench/lockstep.py) has ended the run: no more turns
-        turn_started = time.time()  # wall clock: the driver compares it with its own
         if bound and done == args.ballast_freed_after:
             bound["ballast"].free()  # the memory outside goes: can the allocator use it again?
         ooms, first_oom, oom_text, t0, calls0, driver0, stopped = 0, None, "", None, None, None, False
@@ -654,8 +673,7 @@ def run(args) -> dict:
         if len(passes) == 1:
             peaks = memory_peaks(torch, rmm_resources)  # the first pass's: what the cap search's runs see
         if args.lockstep:  # this turn's figures, for the driver, before it hands the GPU on
-            print("PASS " + json.dumps(dict(lockstep_pass(passes[-1], steps - start, peaks, total),
-                                            started=turn_started)), flush=True)
+            print("PASS " + json.dumps(lockstep_pass(passes[-1], steps - start, peaks, total)), flush=True)
         if stopped:
             break
     timed = steps - start
@@ -748,7 +766,9 @@ def steady_figures(later: list, passes: int, timed: int) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", choices=WORKLOADS)
-    ap.add_argument("allocator", choices=ALLOCATORS + ("none",))
+    ap.add_argument("allocator", type=allocator_arg,
+                    help=f"{', '.join(ALLOCATORS + ('none',))}, or gpumem+KEY:VALUE[+KEY:VALUE] (GPUMEM_CONF keys "
+                         "added to gpumem's)")
     ap.add_argument("--fraction", type=float, help="set_per_process_memory_fraction (0, 1]")
     ap.add_argument("--stop-on-oom", action="store_true", help="end the run at its first OOM step")
     ap.add_argument("--quick", action="store_true", help="half the steps")

@@ -70,15 +70,33 @@ def test_round_0_runs_in_turns_or_every_first_pass_at_once(tmp_path, first_pass)
     assert r.returncode == 0, r.stderr
     group = json.loads(out.read_text())["bert"]["uncapped"]["group"]
     first = [group[a]["rounds"][0] for a in ("native", "gpumem", "expandable")]
-    # started: when the worker read its turn; collected: when the driver read the pass's figures.
-    if first_pass == "together":  # every worker was started before the first pass was read
-        assert max(p["started"] for p in first) < min(p["collected"] for p in first)
-    else:  # each began after the one before had been read
-        assert all(b["started"] > a["collected"] for a, b in zip(first, first[1:]))
-    for a in group:  # the compared rounds take turns either way
-        one, two = group[a]["rounds"][1], group[a]["rounds"][2]
-        assert one["started"] < one["collected"] < two["started"]
+    # sent: when the driver gave the worker its turn; collected: when it read the pass's figures.
+    if first_pass == "together":  # every worker had its turn before the first pass was read
+        assert max(p["sent"] for p in first) < min(p["collected"] for p in first)
+    else:  # each had its turn once the one before had been read
+        assert all(b["sent"] > a["collected"] for a, b in zip(first, first[1:]))
+    for r in (1, 2):  # the compared rounds take turns either way
+        turns = sorted((group[a]["rounds"][r] for a in group), key=lambda p: p["sent"])
+        assert all(b["sent"] > a["collected"] for a, b in zip(turns, turns[1:]))
     assert json.loads(out.read_text())["bert"]["uncapped"]["summary"]["compared_rounds"] == 2
+
+
+def test_a_gpumem_configuration_with_added_keys_is_a_worker_of_its_own(tmp_path):
+    from pressure_workloads import gpumem_conf
+
+    assert gpumem_conf("gpumem+stitch_slack:0.015+page_size:2MiB") == \
+        "release:lazy,stitch:true,stitch_slack:0.015,page_size:2MiB"
+    assert gpumem_conf("gpumem_nostitch") == "release:lazy,stitch:false"
+    assert gpumem_conf("native+stitch_slack:0.1") is None and gpumem_conf("gpumem+") is None
+    out = tmp_path / "ls.json"
+    r = run("--device", "cpu", "--workloads", "bert", "--allocators", "native,gpumem,gpumem+stitch_slack:0.02",
+            "--rounds", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    group = json.loads(out.read_text())["bert"]["uncapped"]["group"]
+    assert list(group) == ["native", "gpumem", "gpumem+stitch_slack:0.02"]
+    assert "gpumem+stitch_slack:0.02" in r.stdout
+    bad = run("bert", "gpumem+", "--device", "cpu", "--tiny", script="pressure_workloads.py")
+    assert bad.returncode == 2 and "nor gpumem+KEY:VALUE" in bad.stderr
 
 
 def passes(*ms_and_ooms):
@@ -124,6 +142,8 @@ def test_a_worker_that_failed_leaves_its_rounds_out_and_is_reported():
     (["--allocators", "gpumem,gpumem"], "two or more distinct"),
     (["--allocators", "gpumem,gpumem_hw"], "needs a PyTorch allocator"),
     (["--allocators", "native,rmm"], "two or more distinct"),
+    (["--allocators", "native,gpumem+"], "two or more distinct"),
+    (["--allocators", "native,async+stitch_slack:0.1"], "two or more distinct"),
     (["--allocators", "expandable,gpumem", "--cap", "1.05"], "needs native"),
     (["--cap", "9"], "0.5 <= K <= 4"),
     (["--workloads", "nope"], "unknown workload"),

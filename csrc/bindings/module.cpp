@@ -231,7 +231,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
-                       double release_slack, const py::int_& page_size, int device, bool stitch) {
+                       double release_slack, const py::int_& page_size, int device, bool stitch,
+                       double stitch_slack) {
              PoolOptions o;
              o.cap_bytes = to_size(cap, "cap");
              o.release = parse_release(release);
@@ -239,15 +240,17 @@ PYBIND11_MODULE(_C, m) {
              o.large_page_bytes = to_size(page_size, "page_size");
              o.device = device;
              o.stitch = stitch;
+             o.stitch_slack = stitch_slack;
              return std::make_shared<Pool>(std::move(upstream), o);
            }),
            py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "lazy",
            py::arg("release_slack") = PoolOptions().release_slack,
            py::arg("page_size") = py::int_(kDefaultPageSize), py::arg("device") = 0,
-           py::arg("stitch") = PoolOptions().stitch,
+           py::arg("stitch") = PoolOptions().stitch, py::arg("stitch_slack") = PoolOptions().stitch_slack,
            "A pool over `upstream`. page_size: bytes per page of large arenas on a paged upstream "
            "(a multiple of its granularity; small arenas use the granularity). stitch: new pages past the "
-           "live high water backed by free blocks' units (GPUMEM_CONF stitch).")
+           "live high water (+ stitch_slack, a fraction) backed by free blocks' units (GPUMEM_CONF stitch, "
+           "stitch_slack).")
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream, bool count_oom) {
              std::size_t bytes = to_size(size, "size");
@@ -467,6 +470,7 @@ PYBIND11_MODULE(_C, m) {
           d["gc_on_oom"] = c.gc_on_oom;
           d["ipc"] = c.ipc;
           d["stitch"] = c.stitch;
+          d["stitch_slack"] = c.stitch_slack;
           return d;
         },
         py::arg("text"), py::arg("source") = "GPUMEM_CONF",

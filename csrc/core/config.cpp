@@ -119,6 +119,12 @@ Config parse_config(const std::string& text, const std::string& source) {
       if (!parse_number(value, &f, &rest) || !rest.empty() || !(f >= 0 && f <= 1))
         bad(key, value, "a fraction in [0, 1] such as 0.005");
       config.release_slack = f;
+    } else if (key == "stitch_slack") {
+      double f;
+      std::string rest;
+      if (!parse_number(value, &f, &rest) || !rest.empty() || !(f >= 0 && f <= 1))
+        bad(key, value, "a fraction in [0, 1] such as 0.01");
+      config.stitch_slack = f;
     } else if (key == "page_size") {
       std::size_t bytes = 0;
       try {
@@ -137,7 +143,8 @@ Config parse_config(const std::string& text, const std::string& source) {
       if (!parse_flag(value, &config.stitch)) bad(key, value, "true, false");
     } else {
       throw InvalidArgument(source + ": unknown key '" + key +
-                            "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch");
+                            "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, "
+                            "stitch_slack");
     }
   }
   return config;

@@ -21,6 +21,7 @@ struct Config {
   // shared with other processes (torch.multiprocessing); false: plain pages, sharing refused.
   bool ipc = true;
   bool stitch = PoolOptions().stitch;  // see PoolOptions (the main pools only; graph pools and MemPools never)
+  double stitch_slack = PoolOptions().stitch_slack;  // see PoolOptions
 };
 
 // @throws InvalidArgument naming the key and the accepted values.

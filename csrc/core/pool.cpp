@@ -29,6 +29,8 @@ Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
                           format_bytes(page_size_) + " granularity");
   if (!(options_.release_slack >= 0 && options_.release_slack <= 1))
     throw InvalidArgument("release_slack must be in [0, 1], got " + std::to_string(options_.release_slack));
+  if (!(options_.stitch_slack >= 0 && options_.stitch_slack <= 1))
+    throw InvalidArgument("stitch_slack must be in [0, 1], got " + std::to_string(options_.stitch_slack));
   if (options_.cap_bytes && options_.cap_bytes < page_size_)
     throw InvalidArgument("cap of " + format_bytes(options_.cap_bytes) +
                           " is below one page (" + format_bytes(page_size_) + ")");

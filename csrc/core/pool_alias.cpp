@@ -3,7 +3,7 @@
 // mapping it again. Under the lazy policy a block that fits no free block goes to the region's free tail and
 // maps new pages there, while free pages elsewhere stay cached: with shapes that change step to
 // step, reserved settles 10-24% above live (README). With this option:
-//  - Stitching (map_from_free): past the live high water (+ kStitchSlack), the new pages of a block
+//  - Stitching (map_from_free): past the live high water (+ PoolOptions::stitch_slack), the new pages of a block
 //    are mapped onto mapped units of the region's free blocks (Upstream::map_from), the least
 //    recently freed first, instead of new memory; only while no cap or limit bounds the pool
 //    (stitching(): under a bound the pool releases anyway, and fitted less stitched). The unit's old
@@ -35,11 +35,12 @@
 
 namespace gpumem {
 
-// How far reserved may exceed the live high water before new pages are stitched from free units.
-// CPU replays (device 100 operations behind, README "Stitching"): 1% keeps every bundled and bench
-// trace under 1.015x but fbs_gen (1.023x) with fewer unmaps in steady passes than 0% (bert 758 calls
-// and 36 waits a pass against 878 and 35; generate 472 against 841); 2% let gpt_varlen reach 1.019x.
-constexpr double kStitchSlack = 0.01;
+// How far reserved may exceed the live high water before new pages are stitched from free units: the
+// default of PoolOptions::stitch_slack (pool.hpp). CPU replays (device 100 operations behind, README
+// "Stitching"): 1% keeps every bundled and bench trace under 1.015x but fbs_gen (1.023x) with fewer
+// unmaps in steady passes than 0% (bert 758 calls and 36 waits a pass against 878 and 35; generate
+// 472 against 841); 2% let gpt_varlen reach 1.019x, 1.5% 1.0150x (the README's target: 1.01), where
+// ckpt's steady passes make 8 calls instead of 286-536 (README, "stitch_slack").
 
 namespace {
 // Moves the aliases of the unit owned at `from` to its new owner `to`.
@@ -192,7 +193,7 @@ std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit, P
   const std::size_t page = pages.page(), unit_pages = unit / page, bytes = pages.bytes_of(run);
   // Only past the allowance: below it, new memory costs the steady steps nothing, and every unit
   // stitched is a position that a later block may find parked on a busy unit (an unmap, a wait).
-  const double allowance = static_cast<double>(live_high_water_) * (1.0 + kStitchSlack);
+  const double allowance = static_cast<double>(live_high_water_) * (1.0 + options_.stitch_slack);
   if (static_cast<double>(reserved_locked() + bytes) <= allowance) return 0;
   std::size_t mapped = 0;
   std::vector<Block*> order;

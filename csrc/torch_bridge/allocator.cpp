@@ -115,6 +115,7 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, Relea
   // Graph pools and MemPools never stitch: unmapping a parked page may wait for the device, which a
   // stream capture forbids.
   options.stitch = cfg.stitch && id == kDefaultPool;
+  options.stitch_slack = cfg.stitch_slack;
   options.device = device;
   options.budget = devices_[device].budget;  // one limit for all the device's pools, as torch's
   auto pool = std::make_unique<Pool>(std::move(upstream), options);

@@ -38,6 +38,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"gpumem replay: --passes {args.passes} is below 1 (times each trace is replayed)",
               file=sys.stderr)
         return 2
+    if args.stitch_slack is not None and not 0 <= args.stitch_slack <= 1:  # NaN too
+        print(f"gpumem replay: --stitch-slack {args.stitch_slack} is not a fraction in [0, 1]", file=sys.stderr)
+        return 2
+    if args.stitch_slack is not None and args.min_capacity:
+        print("gpumem replay: --stitch-slack applies to the replay table, not to --min-capacity",
+              file=sys.stderr)
+        return 2
     if args.min_capacity:
         if not 0 < args.tolerance < 1:
             print(f"gpumem replay: --tolerance {args.tolerance} is not a fraction in (0, 1)", file=sys.stderr)
@@ -56,7 +63,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         try:
             reports.append(replay(path, upstream=args.upstream, capacity=capacity, page_size=page_size,
                                   release=args.release, progress=progress, device_lag=args.device_lag,
-                                  passes=args.passes, stitch=args.stitch))
+                                  passes=args.passes, stitch=args.stitch, stitch_slack=args.stitch_slack))
         except (ValueError, FileNotFoundError) as e:
             print(f"gpumem replay: {e}", file=sys.stderr)
             return 1
@@ -66,7 +73,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 0
     lagged = args.device_lag > 0
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}"
-          + ("" if args.stitch else ", no stitch") + ", simulated device of "
+          + ("" if args.stitch else ", no stitch")
+          + ("" if args.stitch_slack is None else f", stitch slack {args.stitch_slack:g}") + ", simulated device of "
           f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB"
           + (f", running {args.device_lag} operations behind" if lagged else "")
           + (f", {args.passes} passes (calls and waits: the last one's)" if args.passes > 1 else ""))
@@ -184,6 +192,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--no-stitch", dest="stitch", action="store_false",
                    help="turn off the pool's stitch option (GPUMEM_CONF stitch:false; on by default: new "
                         "pages past the live high water backed by free cached pages' memory)")
+    p.add_argument("--stitch-slack", type=float, default=None, metavar="FRACTION",
+                   help="how far reserved grows past the live high water before the pool stitches "
+                        "(GPUMEM_CONF stitch_slack; default the pool's, 0.01)")
     p.add_argument("--device-lag", type=int, default=0, metavar="OPS",
                    help="the simulated device runs OPS operations behind the replay, as a GPU runs behind "
                         "the host, and the table counts the waits the pool made for it (default 0: "

@@ -13,11 +13,14 @@ Keys (comma separated, ``key:value`` or ``key=value``):
 ``gc_on_oom``  ``true`` (default: run ``gc.collect()`` before failing an allocation) or ``false``
 ``ipc``        vmm: ``true`` (default: pages are created shareable as file descriptors, so CUDA tensors can
                go to other processes) or ``false`` (plain pages; sharing a tensor raises, naming this key)
-``stitch``     vmm: ``true`` (default) or ``false``: new pages past the live high water (+1%) are backed by
+``stitch``     vmm: ``true`` (default) or ``false``: new pages past the live high water (+1%, ``stitch_slack``) are backed by
                the memory of free cached pages elsewhere, whose old positions stay mapped for a block that
                lands there later (no driver call while that memory is free again): reserved stays near
                live without releasing; costs unmaps where such a position's memory is in use elsewhere.
                Only while no cap and no memory fraction bounds the pool (there it releases as without)
+``stitch_slack``  vmm, stitch: how far (fraction) reserved may grow past the live high water with new
+               memory before new pages are stitched (0.01). Higher: fewer unmaps and waits in steady
+               steps where stitched memory is in use elsewhere, reserved further above live
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """
@@ -41,6 +44,7 @@ class Config(TypedDict):
     gc_on_oom: bool  # run gc.collect() before failing an allocation
     ipc: bool  # vmm: pages shareable with other processes (POSIX file descriptor handles)
     stitch: bool  # vmm: new pages past the live high water backed by free cached pages' memory
+    stitch_slack: float  # vmm, stitch: how far reserved may grow past the live high water first (0.01)
 
 
 def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:

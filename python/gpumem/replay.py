@@ -104,6 +104,7 @@ def replay(
     held_elsewhere: int = 0,
     elsewhere_freed_after: Optional[int] = None,
     stitch: bool = True,
+    stitch_slack: Optional[float] = None,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -121,7 +122,9 @@ def replay(
     a limit telling it where that is, as on a shared GPU (``bench/pressure.py --bound device``); with
     ``elsewhere_freed_after=K`` that memory goes back to the device after the K-th pass. ``stitch`` is
     the pool's option of that name (``GPUMEM_CONF`` ``stitch``, on by default: new pages past the live
-    high water backed by free blocks' memory, while no cap or limit is set).
+    high water backed by free blocks' memory, while no cap or limit is set), ``stitch_slack`` how far
+    (fraction) reserved grows past the live high water before it stitches (``GPUMEM_CONF``
+    ``stitch_slack``; None: the pool's default, 0.01).
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
@@ -144,6 +147,8 @@ def replay(
     device.lag = device_lag
     device.held_elsewhere = held_elsewhere
     options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
+    if stitch_slack is not None:
+        options["stitch_slack"] = stitch_slack
     pool = _C.Pool(device, release=release, page_size=page_size, stitch=bool(stitch), **options)
     if limit is not None:
         pool.set_limit(limit)

@@ -39,7 +39,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.stitch_slack is not None and not 0 <= args.stitch_slack <= 1:  # NaN too
-        print(f"gpumem replay: --stitch-slack {args.stitch_slack} is not a fraction in [0, 1]", file=sys.stderr)
+        print(f"gpumem replay: --stitch-slack {args.stitch_slack} is not a fraction in [0, 1]",
+              file=sys.stderr)
         return 2
     if args.stitch_slack is not None and args.min_capacity:
         print("gpumem replay: --stitch-slack applies to the replay table, not to --min-capacity",
@@ -74,7 +75,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     lagged = args.device_lag > 0
     print(f"\ngpumem pool, upstream={args.upstream}, release={args.release}"
           + ("" if args.stitch else ", no stitch")
-          + ("" if args.stitch_slack is None else f", stitch slack {args.stitch_slack:g}") + ", simulated device of "
+          + ("" if args.stitch_slack is None else f", stitch slack {args.stitch_slack:g}")
+          + ", simulated device of "
           f"{_gib(reports[0].capacity_bytes)} GiB, pages of {reports[0].page_size >> 20} MiB"
           + (f", running {args.device_lag} operations behind" if lagged else "")
           + (f", {args.passes} passes (calls and waits: the last one's)" if args.passes > 1 else ""))

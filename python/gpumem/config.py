@@ -13,8 +13,14 @@ Keys (comma separated, ``key:value`` or ``key=value``):
 ``gc_on_oom``  ``true`` (default: run ``gc.collect()`` before failing an allocation) or ``false``
 ``ipc``        vmm: ``true`` (default: pages are created shareable as file descriptors, so CUDA tensors can
                go to other processes) or ``false`` (plain pages; sharing a tensor raises, naming this key)
-``stitch``     vmm: ``true`` (default) or ``false``: new pages past the live high water (+1%, ``stitch_slack``) are backed by
-               the memory of free cached pages elsewhere, whose old positions stay mapped for a block that
+``stitch``     vmm: ``true`` (default) or ``false``: new pages past the live high water (+1%,
+               ``stitch_slack``) are backed by the memory of free cached pages elsewhere, whose old
+               positions stay mapped for a block that lands there later (no driver call while that
+               memory is free again): reserved stays near live without releasing; costs unmaps where
+               such a position's memory is in use elsewhere. Only while no cap and no memory fraction
+               bounds the pool (there it releases as without)
+``stitch_slack``)
+               are backed by the memory of free cached pages elsewhere, whose old positions stay mapped for a block that
                lands there later (no driver call while that memory is free again): reserved stays near
                live without releasing; costs unmaps where such a position's memory is in use elsewhere.
                Only while no cap and no memory fraction bounds the pool (there it releases as without)

@@ -19,11 +19,6 @@ Keys (comma separated, ``key:value`` or ``key=value``):
                memory is free again): reserved stays near live without releasing; costs unmaps where
                such a position's memory is in use elsewhere. Only while no cap and no memory fraction
                bounds the pool (there it releases as without)
-``stitch_slack``)
-               are backed by the memory of free cached pages elsewhere, whose old positions stay mapped for a block that
-               lands there later (no driver call while that memory is free again): reserved stays near
-               live without releasing; costs unmaps where such a position's memory is in use elsewhere.
-               Only while no cap and no memory fraction bounds the pool (there it releases as without)
 ``stitch_slack``  vmm, stitch: how far (fraction) reserved may grow past the live high water with new
                memory before new pages are stitched (0.01). Higher: fewer unmaps and waits in steady
                steps where stitched memory is in use elsewhere, reserved further above live

@@ -351,3 +351,20 @@ def test_cli_passes_reports_the_last_pass_and_refuses_fewer_than_one(tmp_path):
     assert row["passes"] == 2 and row["upstream_calls"] == 0
     r = run_cli("replay", "--passes", "0", str(path))
     assert r.returncode == 2 and "--passes 0 is below 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_stitch_slack_changes_the_bundled_replay_and_bad_values_are_refused():
+    """More slack stitches less: gpt_varlen's peak reserved rises (README, "stitch_slack": 1.0098 at
+    the default 0.01, 1.0197 at 0.02)."""
+    default, roomier = (json.loads(run_cli("replay", "--json", *extra).stdout.splitlines()[0])
+                        for extra in ((), ("--stitch-slack", "0.02")))
+    assert default["workload"] == roomier["workload"] == "gpt_varlen"
+    assert default["peak_live_bytes"] == roomier["peak_live_bytes"]
+    assert roomier["peak_reserved_bytes"] > default["peak_reserved_bytes"]
+    table = run_cli("replay", "--quiet", "--stitch-slack", "0.02")
+    assert table.returncode == 0 and "stitch slack 0.02," in table.stdout
+    for bad in ("1.5", "-0.1", "nan"):
+        r = run_cli("replay", "--stitch-slack", bad)
+        assert r.returncode == 2 and "is not a fraction in [0, 1]" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("replay", "--min-capacity", "--stitch-slack", "0.02")
+    assert r.returncode == 2 and "not to --min-capacity" in r.stderr

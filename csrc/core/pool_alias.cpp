@@ -35,12 +35,13 @@
 
 namespace gpumem {
 
-// How far reserved may exceed the live high water before new pages are stitched from free units: the
-// default of PoolOptions::stitch_slack (pool.hpp). CPU replays (device 100 operations behind, README
+// Why PoolOptions::stitch_slack (how far reserved may exceed the live high water before new pages are
+// stitched, map_from_free) is 1% by default. CPU replays (device 100 operations behind, README
 // "Stitching"): 1% keeps every bundled and bench trace under 1.015x but fbs_gen (1.023x) with fewer
 // unmaps in steady passes than 0% (bert 758 calls and 36 waits a pass against 878 and 35; generate
-// 472 against 841); 2% let gpt_varlen reach 1.019x, 1.5% 1.0150x (the README's target: 1.01), where
-// ckpt's steady passes make 8 calls instead of 286-536 (README, "stitch_slack").
+// 472 against 841). More slack stitches less: at 1.5% ckpt's steady passes make 8 calls instead of
+// 286-536, at 2% its GPU step is within 1% of expandable_segments' where 1% is not, but gpt_varlen
+// reaches 1.0150x and 1.0197x against the README's target of 1.01 (README, "stitch_slack").
 
 namespace {
 // Moves the aliases of the unit owned at `from` to its new owner `to`.

@@ -2,6 +2,8 @@
 
     python bench/lockstep.py [--workloads bert,ckpt] [--allocators native,expandable,async,gpumem]
                              [--rounds 12] [--cap 1.05] [--budget-s 150] [--json OUT.json] [--device cpu]
+                             [--first-pass turns|together] [--reference ALLOCATOR]
+    python bench/lockstep.py --from-json RUN.json [RUN2.json ...] [--reference ALLOCATOR]
 
 Why. The step time of one allocator differs from run to run by more than the 1% that the project's
 targets ask about. On the GPU machine (one H100, 2026-11-27) allocfree's steady step with PyTorch's
@@ -36,11 +38,14 @@ group from starting another round once its compared rounds have taken that many 
 counted; at least one compared round is run); --rounds caps it. --device cpu runs each workload tiny
 on the CPU with no allocator (every worker the same code; the path CI covers).
 
-Writes every round's figures and each worker's final JSON line (its peaks) with --json.
+Writes every round's figures and each worker's final JSON line (its peaks) with --json. --from-json
+prints the tables of such files again, several runs' rounds of a workload pooled (the README's figures
+over several calls: bench/results/).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import queue
@@ -177,13 +182,25 @@ def run_group(workload: str, allocators: list, fraction_of: dict, args, log) -> 
     return {w.allocator: dict(rounds=rounds[w.allocator], final=w.finish(), error=w.error) for w in workers}
 
 
-def summarize(group: dict, capped: bool) -> dict:
+def merge_groups(groups: list) -> dict:
+    """One group of several runs' groups of a workload (JSON files of separate calls): the allocators
+    all of them ran, in the first's order, each with the first run's rounds and every later run's
+    compared rounds (its round 0 left out, so that the merged round 0 is the first run's alone); the
+    first error of each, the first run's final figures."""
+    names = [a for a in groups[0] if all(a in g for g in groups[1:])]
+    return {a: dict(rounds=groups[0][a]["rounds"] + [p for g in groups[1:] for p in g[a]["rounds"][1:]],
+                    error=next((g[a]["error"] for g in groups if g[a]["error"]), None),
+                    final=groups[0][a]["final"]) for a in names}
+
+
+def summarize(group: dict, capped: bool, reference: str | None = None) -> dict:
     """The group's comparison. Per allocator: its compared rounds (those after round 0 in which every
     worker finished its pass), its median step and median OOM steps per pass over them, and its per-round
     ratio to the reference (median, quartiles) over the rounds in which neither had an OOM step (a pass
     with OOM steps skips their work: its time says nothing of the allocator's speed); gpumem's device
     calls and driver ms per step. The reference: expandable_segments' at a cap where it ran rounds
-    without an OOM step, otherwise the PyTorch allocator with the lowest median over such rounds."""
+    without an OOM step, otherwise the PyTorch allocator with the lowest median over such rounds;
+    `reference` names another (a worker of the group)."""
     names = list(group)
     n = min(len(v["rounds"]) for v in group.values())
     finished = (lambda p: p is not None and p.get("step_ms") is not None)
@@ -196,7 +213,10 @@ def summarize(group: dict, capped: bool) -> dict:
 
     clean_median = {a: statistics.median(ms_of(a, clean[a])) for a in names if clean[a]}
     torch_ones = [a for a in names if a in TORCH_ALLOCATORS and a in clean_median]
-    if capped and "expandable" in torch_ones:
+    if reference is not None:
+        if reference not in group:
+            raise ValueError(f"reference {reference!r} is not among the group's allocators {names}")
+    elif capped and "expandable" in torch_ones:
         reference = "expandable"
     else:
         reference = min(torch_ones, key=lambda a: clean_median[a]) if torch_ones else None
@@ -264,6 +284,12 @@ def parse_args(argv=None):
                          "at once: shorter where a first pass is long (generate: ~50 s a worker), but the "
                          "uncapped workers' caches then share the device's memory at once")
     ap.add_argument("--json", help="write every round's figures here")
+    ap.add_argument("--from-json", nargs="+", metavar="FILE",
+                    help="run nothing: the tables of earlier runs' --json files, the rounds of the files "
+                         "merged per workload and group (the allocators all of them ran; --workloads "
+                         "and --allocators are then ignored)")
+    ap.add_argument("--reference", help="compare with this allocator instead of the one chosen by the rule "
+                                        "above (any worker of the group)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: each workload tiny, no allocator (the code path)")
     args = ap.parse_args(argv)
@@ -278,6 +304,8 @@ def parse_args(argv=None):
                  f"{','.join(args.allocators)}")
     if not any(a in TORCH_ALLOCATORS for a in args.allocators):
         ap.error("--allocators needs a PyTorch allocator (native, expandable or async) as the reference")
+    if args.reference is not None and not args.from_json and args.reference not in args.allocators:
+        ap.error(f"--reference {args.reference} is not among --allocators")
     if args.cap is not None and ("native" not in args.allocators or not 0.5 <= args.cap <= 4):
         ap.error("--cap K needs native among --allocators (P is its peak) and 0.5 <= K <= 4")
     if args.rounds < 1:
@@ -287,8 +315,38 @@ def parse_args(argv=None):
     return args
 
 
+def from_json(paths: list, reference: str | None) -> int:
+    """--from-json: the saved runs' groups merged and summarized again (nothing runs)."""
+    runs = []
+    for path in paths:
+        try:
+            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError, EOFError) as e:  # missing, not JSON, not gzip, truncated
+            print(f"lockstep: {path}: {e}", file=sys.stderr)
+            return 2
+    if not all(isinstance(run, dict) for run in runs):
+        print("lockstep: --from-json: not a lockstep --json file (its top level is not an object)", file=sys.stderr)
+        return 2
+    for w in [w for w in runs[0] if all(w in run for run in runs[1:])]:
+        for label in [g for g in runs[0][w] if all(g in run[w] for run in runs[1:])]:
+            try:
+                group = merge_groups([run[w][label]["group"] for run in runs])
+                s = summarize(group, capped=runs[0][w][label].get("cap") is not None, reference=reference)
+            except (KeyError, TypeError) as e:
+                print(f"lockstep: {w} {label}: not a lockstep --json group ({e!r})", file=sys.stderr)
+                return 2
+            except ValueError as e:
+                print(f"lockstep: {w} {label}: {e}", file=sys.stderr)
+                return 2
+            print(table(w, f"{label} ({len(runs)} runs merged)" if len(runs) > 1 else label, s), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        return from_json(args.from_json, args.reference)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # progress, on stderr apart from the tables
     # native first: its first pass gives P, and round 0 runs in this order.
     allocators = sorted(args.allocators, key=lambda a: a != "native")
@@ -308,7 +366,7 @@ def main(argv=None) -> int:
                 fractions = {a: min(1.0, share) for a in allocators}
             log(f"{w} {label}: {', '.join(allocators)}, up to {args.rounds} rounds")
             group = run_group(w, allocators, fractions, args, log)
-            s = summarize(group, capped=cap is not None)
+            s = summarize(group, capped=cap is not None, reference=args.reference)
             out[w][label] = dict(group=group, summary=s, cap=cap, fractions=fractions)
             tables.append(table(w, label, s))
             print(tables[-1], flush=True)

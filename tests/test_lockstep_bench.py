@@ -99,6 +99,49 @@ def test_a_gpumem_configuration_with_added_keys_is_a_worker_of_its_own(tmp_path)
     assert bad.returncode == 2 and "nor gpumem+KEY:VALUE" in bad.stderr
 
 
+def test_saved_runs_are_merged_round_by_round_and_bad_files_refused(tmp_path):
+    files = []
+    for i, rounds in enumerate((2, 3)):
+        files.append(tmp_path / f"run{i}.json")
+        r = run("--device", "cpu", "--workloads", "allocfree", "--allocators", "native,expandable,gpumem",
+                "--rounds", str(rounds), "--json", str(files[-1]))
+        assert r.returncode == 0, r.stderr
+    runs = [json.loads(f.read_text())["allocfree"]["uncapped"]["group"] for f in files]
+    merged = lockstep.merge_groups(runs)
+    for a in ("native", "expandable", "gpumem"):  # the first run's round 0, then 2 + 3 compared rounds
+        assert merged[a]["rounds"] == runs[0][a]["rounds"] + runs[1][a]["rounds"][1:]
+    s = lockstep.summarize(merged, capped=False, reference="expandable")
+    assert s["compared_rounds"] == 5 and s["reference"] == "expandable"
+    assert s["allocators"]["gpumem"]["ratio_rounds"] == 5
+    r = run("--from-json", *map(str, files), "--reference", "expandable")
+    assert r.returncode == 0, r.stderr
+    assert "allocfree uncapped (2 runs merged): 5 rounds compared; reference expandable" in r.stdout
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    (tmp_path / "cut.json.gz").write_bytes(b"\x1f\x8b\x08\x00")
+    for bad, words in ((tmp_path / "missing.json", "No such file"), (tmp_path / "bad.json", "not a lockstep"),
+                       (tmp_path / "cut.json.gz", "cut.json.gz:")):
+        r = run("--from-json", str(files[0]), str(bad))
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("--from-json", str(files[0]), "--reference", "async")
+    assert r.returncode == 2 and "reference 'async' is not among" in r.stderr
+    r = run("--allocators", "native,gpumem", "--reference", "expandable")
+    assert r.returncode == 2 and "--reference expandable is not among --allocators" in r.stderr
+
+
+def test_the_readmes_pooled_figures_come_from_the_saved_runs():
+    """README, "More rounds" and "stitch_slack": the GPU runs' files give the figures it quotes."""
+    saved = Path(__file__).resolve().parents[1] / "bench" / "results" / "lockstep-2026-11-27"
+    r = run("--from-json", *(str(saved / f"ckpt_call{i}.json.gz") for i in (2, 3, 4)), "--reference", "expandable")
+    assert r.returncode == 0, r.stderr
+    assert "ckpt uncapped (3 runs merged): 69 rounds compared" in r.stdout
+    assert any(line.split()[:4] == ["gpumem", "108.46", "0", "1.0180"] for line in r.stdout.splitlines())
+    r = run("--from-json", *(str(saved / f"ckpt_call{i}.json.gz") for i in (3, 4)), "--reference", "expandable")
+    assert any(line.split()[:4] == ["gpumem+stitch_slack:0.02", "107.20", "0", "1.0075"]
+               for line in r.stdout.splitlines()), r.stdout
+    r = run("--from-json", *(str(saved / f"generate_call{i}.json.gz") for i in (1, 2)))
+    assert any(line.split()[:4] == ["gpumem", "472.75", "0", "0.9858"] for line in r.stdout.splitlines())
+
+
 def passes(*ms_and_ooms):
     return [dict(step_ms=ms, ooms=ooms, device_calls=None, driver_ms=None) for ms, ooms in ms_and_ooms]
 

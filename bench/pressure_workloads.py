@@ -25,7 +25,9 @@ ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gp
            memory while no cap is set) | gpumem_nostitch (release:lazy,stitch:false: the defaults
            before stitching) | gpumem_hw (release:high_water,stitch:false: cached pages released
            before reserving past the live high water) | rmm (RAPIDS RMM's pool through
-           rmm_torch_allocator, capped by its maximum pool size) | none (CPU only)
+           rmm_torch_allocator, capped by its maximum pool size) | none (CPU only) | a gpumem name with
+           GPUMEM_CONF keys added after '+' (gpumem+stitch_slack:0.02: gpumem's configuration and
+           stitch_slack:0.02; bench/lockstep.py runs such workers beside the others)
 
 --fraction F caps the run with torch.cuda.set_per_process_memory_fraction(F) (rmm: a pool of at most
 F * total bytes). A step that raises an out-of-memory error counts as one OOM step and the run goes on

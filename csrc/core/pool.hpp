@@ -103,12 +103,12 @@ struct PoolOptions {
   // 0 = the granularity). Small arenas always use the granularity.
   std::size_t large_page_bytes = kDefaultPageSize;
   // Paged upstreams: keep the driver's mapping of a unit whose memory moved to another block (an alias,
-  // pool_alias.cpp), and back new pages past the live high water (+ stitch_slack) with the units of free blocks
-  // rather than new memory; a block that later lands on such a position takes the unit back without
-  // a driver call when its new owner is free. Reserved stays near the live bytes without the releases
-  // of the high-water policy; it costs unit maps and unmaps in steady steps where a position's unit is
-  // busy elsewhere, which the GPU bench's steady steps do not show (README, "Stitching"). Only while
-  // no cap or limit is set (Pool::stitching).
+  // pool_alias.cpp), and back new pages past the live high water (+ stitch_slack) with the units of
+  // free blocks rather than new memory; a block that later lands on such a position takes the unit
+  // back without a driver call when its new owner is free. Reserved stays near the live bytes without
+  // the releases of the high-water policy; it costs unit maps and unmaps in steady steps where a
+  // position's unit is busy elsewhere (README, "Stitching", "stitch_slack"). Only while no cap or
+  // limit is set (Pool::stitching).
   bool stitch = true;
   // Option stitch: new pages are new memory while reserved stays within this fraction above the live
   // high water, stitched past it. Higher: fewer stitched units (fewer driver calls and waits in steady

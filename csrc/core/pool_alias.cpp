@@ -3,8 +3,8 @@
 // mapping it again. Under the lazy policy a block that fits no free block goes to the region's free tail and
 // maps new pages there, while free pages elsewhere stay cached: with shapes that change step to
 // step, reserved settles 10-24% above live (README). With this option:
-//  - Stitching (map_from_free): past the live high water (+ PoolOptions::stitch_slack), the new pages of a block
-//    are mapped onto mapped units of the region's free blocks (Upstream::map_from), the least
+//  - Stitching (map_from_free): past the live high water (+ PoolOptions::stitch_slack), the new pages
+//    of a block are mapped onto mapped units of the region's free blocks (Upstream::map_from), the least
 //    recently freed first, instead of new memory; only while no cap or limit bounds the pool
 //    (stitching(): under a bound the pool releases anyway, and fitted less stitched). The unit's old
 //    position stays mapped by the driver but is "parked": the PageMap counts it as unmapped (a hole,

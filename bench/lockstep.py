@@ -328,18 +328,27 @@ def from_json(paths: list, reference: str | None) -> int:
     if not all(isinstance(run, dict) for run in runs):
         print("lockstep: --from-json: not a lockstep --json file (its top level is not an object)", file=sys.stderr)
         return 2
+    printed = 0
     for w in [w for w in runs[0] if all(w in run for run in runs[1:])]:
-        for label in [g for g in runs[0][w] if all(g in run[w] for run in runs[1:])]:
-            try:
+        try:
+            labels = [g for g in runs[0][w] if all(g in run[w] for run in runs[1:])]
+            for label in labels:
                 group = merge_groups([run[w][label]["group"] for run in runs])
+                if not group:
+                    raise KeyError(f"{label}: no allocator common to every file's group")
                 s = summarize(group, capped=runs[0][w][label].get("cap") is not None, reference=reference)
-            except (KeyError, TypeError) as e:
-                print(f"lockstep: {w} {label}: not a lockstep --json group ({e!r})", file=sys.stderr)
-                return 2
-            except ValueError as e:
-                print(f"lockstep: {w} {label}: {e}", file=sys.stderr)
-                return 2
-            print(table(w, f"{label} ({len(runs)} runs merged)" if len(runs) > 1 else label, s), flush=True)
+                print(table(w, f"{label} ({len(runs)} runs merged)" if len(runs) > 1 else label, s),
+                      flush=True)
+                printed += 1
+        except (KeyError, TypeError, AttributeError, statistics.StatisticsError) as e:
+            print(f"lockstep: {w}: not a lockstep --json group ({e!r})", file=sys.stderr)
+            return 2
+        except ValueError as e:  # a --reference the group lacks
+            print(f"lockstep: {w}: {e}", file=sys.stderr)
+            return 2
+    if not printed:
+        print("lockstep: --from-json: no workload and group common to every file", file=sys.stderr)
+        return 2
     return 0
 
 

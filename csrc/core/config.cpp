@@ -78,6 +78,14 @@ Config parse_config(const std::string& text, const std::string& source) {
   auto bad = [&](const std::string& key, const std::string& value, const std::string& accepted) {
     throw InvalidArgument(source + ": " + key + "='" + value + "' is not valid; accepted: " + accepted);
   };
+  // The slacks: a fraction in [0, 1] (NaN and trailing text refused).
+  auto fraction = [&](const std::string& key, const std::string& value, const std::string& example) {
+    double f = 0;
+    std::string rest;
+    if (!parse_number(value, &f, &rest) || !rest.empty() || !(f >= 0 && f <= 1))
+      bad(key, value, "a fraction in [0, 1] such as " + example);
+    return f;
+  };
   for (std::string item : items) {
     item = trim(item);
     if (item.empty()) continue;
@@ -114,17 +122,9 @@ Config parse_config(const std::string& text, const std::string& source) {
       else if (v == "high_water") config.release = ReleasePolicy::kHighWater;
       else bad(key, value, "lazy, high_water");
     } else if (key == "release_slack") {
-      double f;
-      std::string rest;
-      if (!parse_number(value, &f, &rest) || !rest.empty() || !(f >= 0 && f <= 1))
-        bad(key, value, "a fraction in [0, 1] such as 0.005");
-      config.release_slack = f;
+      config.release_slack = fraction(key, value, "0.005");
     } else if (key == "stitch_slack") {
-      double f;
-      std::string rest;
-      if (!parse_number(value, &f, &rest) || !rest.empty() || !(f >= 0 && f <= 1))
-        bad(key, value, "a fraction in [0, 1] such as 0.01");
-      config.stitch_slack = f;
+      config.stitch_slack = fraction(key, value, "0.01");
     } else if (key == "page_size") {
       std::size_t bytes = 0;
       try {

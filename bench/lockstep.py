@@ -58,7 +58,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pressure import TORCH_ALLOCATORS, WORKER, fmt, worker_env  # (imports no torch)
-from pressure_workloads import ALLOCATORS, WORKLOADS, gpumem_conf
+from pressure_workloads import ALLOCATORS, WORKLOADS, is_allocator
 
 TURN_TIMEOUT_S = 600  # one pass of one worker: far past any workload's; a worker stuck longer is ended
 # The issue's targets, as a bound on the median per-round ratio: uncapped "<= the fastest PyTorch
@@ -158,7 +158,7 @@ def run_group(workload: str, allocators: list, fraction_of: dict, args, log) -> 
     Returns {allocator: {"rounds": [PASS figures or None per round], "error", "final"}}."""
     workers = [Worker(workload, a, args.rounds + 1, fraction_of.get(a), args.device) for a in allocators]
     rounds: dict = {w.allocator: [] for w in workers}
-    t0 = time.monotonic()  # from the end of round 0: the budget is the compared rounds'
+    t0 = 0.0  # set as round 1 starts: the budget is the compared rounds'
     r = 0
     while r <= args.rounds:
         if r == 1:
@@ -298,7 +298,7 @@ def parse_args(argv=None):
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.workloads:
         ap.error(f"unknown workload(s) {bad}; choose from {','.join(WORKLOADS)}")
-    bad = [a for a in args.allocators if (a not in ALLOCATORS and gpumem_conf(a) is None) or a == "rmm"]
+    bad = [a for a in args.allocators if not is_allocator(a) or a == "rmm"]
     if bad or len(args.allocators) < 2 or len(set(args.allocators)) != len(args.allocators):
         ap.error(f"--allocators needs two or more distinct names from {','.join(ALLOCATORS[:-1])}; got "
                  f"{','.join(args.allocators)}")

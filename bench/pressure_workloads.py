@@ -97,9 +97,14 @@ def gpumem_conf(name: str) -> str | None:
     return ",".join([GPUMEM_CONF[base], *extra])
 
 
+def is_allocator(name: str) -> bool:
+    """One of ALLOCATORS, or a gpumem name with keys (gpumem_conf): what a worker can run on the GPU."""
+    return name in ALLOCATORS or gpumem_conf(name) is not None
+
+
 def allocator_arg(text: str) -> str:
-    """The argparse type of the worker's allocator: ALLOCATORS, 'none', or a gpumem name with keys."""
-    if text in ALLOCATORS or text == "none" or gpumem_conf(text) is not None:
+    """The argparse type of the worker's allocator: an allocator (is_allocator), or 'none' (CPU)."""
+    if text == "none" or is_allocator(text):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is none of {', '.join(ALLOCATORS + ('none',))} nor "
                                      "gpumem+KEY:VALUE[+KEY:VALUE]")
@@ -514,16 +519,18 @@ def is_oom(error: BaseException) -> bool:
 
 # The allocators whose statistics count the calls that take memory from the device and give it back
 # (num_device_alloc / num_device_free: cudaMalloc or a map, cudaFree or an unmap): torch's caching
-# allocator and gpumem's pool. Not async (cudaMallocAsync draws from the driver's pool; torch counts
-# no device call of it) nor rmm (torch keeps no statistics for a pluggable allocator).
-COUNTED = ("native", "expandable", "gpumem", "gpumem_nostitch", "gpumem_hw")
+# allocator and gpumem's pool (every gpumem configuration, gpumem_conf). Not async (cudaMallocAsync
+# draws from the driver's pool; torch counts no device call of it) nor rmm (torch keeps no statistics
+# for a pluggable allocator).
+TORCH_COUNTED = ("native", "expandable")
 
 
 def device_calls(torch, allocator: str):
     """(num_device_alloc, num_device_free) so far, or None where the allocator does not count them."""
-    if DEVICE.type != "cuda" or (allocator not in COUNTED and gpumem_conf(allocator) is None):
+    is_gpumem = gpumem_conf(allocator) is not None
+    if DEVICE.type != "cuda" or not (is_gpumem or allocator in TORCH_COUNTED):
         return None
-    if gpumem_conf(allocator) is not None:
+    if is_gpumem:
         import gpumem  # its pool's own counters (torch's memory_stats keeps torch's keys)
 
         stats = gpumem.stats()

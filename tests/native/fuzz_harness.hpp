@@ -25,6 +25,13 @@ class Harness {
     dev_->live = &live_;
     dev_->pending = &pending_;
     if (b0 & 16) dev_->set_auto_complete(false);
+    // Bit 7: a device running behind the host, as the replays model a GPU (events complete 1-61
+    // operations after they were recorded, or when waited for: a wait inside an allocation can
+    // complete marks mid-way, which explicit complete() operations never do).
+    if (b0 & 128) {
+      dev_->set_auto_complete(false);
+      dev_->set_lag(1 + b2 % 61);
+    }
     PoolOptions o;
     o.cap_bytes = cap_;
     o.release = release_;
@@ -37,10 +44,11 @@ class Harness {
     pool_->add_oom_callback([this] { on_oom(); });
     dev_->spans = &spans_;
     pool_->set_segment_observer([this](SegmentEvent e, std::uintptr_t a, std::size_t n, StreamId) { on_span(e, a, n); });
-    describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d stitch=%d",
+    describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d stitch=%d "
+             "lag=%zu",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
              release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, o.large_page_bytes,
-             capacity_, cap_, int(dev_->auto_complete()), int(o.stitch));
+             capacity_, cap_, int(dev_->auto_complete()), int(o.stitch), std::size_t(dev_->lag()));
     check_state();
   }
 
@@ -49,6 +57,10 @@ class Harness {
     while (!in_.empty() && ops < 4000) {
       ++ops;
       ++ops_;
+      if (dev_->lag()) {
+        dev_->advance();
+        dev_->catch_up();
+      }
       step();
       check_state();
     }

@@ -152,7 +152,7 @@ class CheckedDevice : public Upstream {
   EventId record_event(StreamId stream) override {
     EventId e = sim_->record_event(stream);
     std::uint64_t ticket = ++queued_[stream];
-    if (auto_complete_) completed_[stream] = queued_[stream];
+    if (auto_complete_ && lag_ == 0) completed_[stream] = queued_[stream];  // as the device: a lag rules events
     events_[e] = {stream, ticket};
     recorded_.push_back({stream, ticket});
     return e;
@@ -161,7 +161,11 @@ class CheckedDevice : public Upstream {
     bool done = sim_->event_completed(event);
     auto it = events_.find(event);
     REQUIRE(it != events_.end(), "pool queried an event it never recorded or already destroyed");
-    bool mine = completed_[it->second.first] >= it->second.second;
+    std::uint64_t& completed = completed_[it->second.first];
+    // A lagging device completes events by its clock too, in the order they were recorded: the model
+    // learns of it when the pool does, here (the pool knows of no other completion to act on).
+    if (lag_ && done) completed = std::max(completed, it->second.second);
+    bool mine = completed >= it->second.second;
     REQUIRE(done == mine, "event completion disagrees with the model");
     return done;
   }
@@ -187,6 +191,21 @@ class CheckedDevice : public Upstream {
     sim_->set_auto_complete(on);
   }
   bool auto_complete() const { return auto_complete_; }
+  // A device running `steps` host steps behind (SimulatedDevice::set_lag, as the replays model a GPU):
+  // the harness advances its clock once per operation; events complete by it, or when waited for.
+  void set_lag(std::uint64_t steps) {
+    lag_ = steps;
+    sim_->set_lag(steps);
+  }
+  std::uint64_t lag() const { return lag_; }
+  void advance() { sim_->advance(); }
+  // With a lag, what the device's clock has completed by now, learned as the pool learns it when it
+  // asks (a verdict of the model made before a call must count it: the pool asks during the call).
+  void catch_up() {
+    if (!lag_) return;
+    for (auto& [event, ticket] : events_)
+      if (sim_->event_completed(event)) completed_[ticket.first] = std::max(completed_[ticket.first], ticket.second);
+  }
   void complete(StreamId s) {
     sim_->complete(s);
     mark_complete(s);
@@ -304,6 +323,7 @@ class CheckedDevice : public Upstream {
   std::unordered_map<StreamId, std::uint64_t> queued_, completed_;
   std::unordered_map<EventId, std::pair<StreamId, std::uint64_t>> events_;
   bool auto_complete_ = true;
+  std::uint64_t lag_ = 0;
 };
 
 struct Live {

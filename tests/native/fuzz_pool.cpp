@@ -1,7 +1,8 @@
 // The fuzz harness: a byte stream decoded into pool operations (allocate with sizes and streams, free,
 // bad frees, record_stream, event completion, trim, cap changes, upstream faults, OOM callbacks,
 // allocate_at at recently freed or random addresses, limit changes), run against the simulated
-// device, with every operation checked against a plain reference model.
+// device (with setup bit 7, one running 1-61 operations behind the host: events complete by its
+// clock or when waited for), with every operation checked against a plain reference model.
 //
 // After each operation:
 //   - Pool::validate() (the pool's own invariant checker);

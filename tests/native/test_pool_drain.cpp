@@ -231,6 +231,8 @@ TEST(a_lagging_device_completes_events_by_its_clock_and_counts_the_waits_and_the
   CHECK_EQ(dev.waited_steps(), std::uint64_t(10));
   CHECK(dev.event_completed(other));  // stream 1 is as far as the device got: step 14 >= 4 + 10
   dev.advance();  // the host runs ahead again: the device is 10 steps behind
+  // ... but what it was seen to finish stays finished (`other` is due at step 14 by the clock, 11 now).
+  CHECK(dev.event_completed(other));
   const EventId d = dev.record_event(0);
   dev.synchronize(0);  // a wait as long as d needs
   CHECK_EQ(dev.waits(), std::uint64_t(3));

@@ -176,8 +176,8 @@ bool Pool::ensure_mapped(Block* block) {
     return true;
   };
   const std::size_t group = pages.group();
-  // A group mapped whole must hold no page at all: parked pages count as unmapped (holes, not reserved)
-  // but the driver still maps them. take_back_parked cleared the groups the block touches, but making
+  // A group is mapped whole only when the driver maps none of its pages: parked pages count as
+  // unmapped (holes, not reserved) but are still mapped there. take_back_parked cleared the groups the block touches, but making
   // room (below, and in map_run) can park more there: a lent draining block beside the block reaches
   // its mark and is parked where it lies (park_drained). Such a group is partly mapped: only the pages
   // the block touches are mapped, never a draining block's. Found by the CPU replay of fbs_gen on a

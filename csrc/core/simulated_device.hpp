@@ -55,7 +55,8 @@ class SimulatedDevice : public Upstream {
   // A device running behind the host, for replays: with a lag of N (> 0), an event completes once the
   // host has taken N more steps (advance()) since it was recorded, or once the host waited for it;
   // auto_complete no longer applies to events. While the host waits, the device runs on: within that
-  // host step, a wait of k steps brings every later event k steps closer. 0 (the default) turns the
+  // host step, a wait of k steps brings every later event k steps closer. An event seen completed
+  // (event_completed) stays completed, with its stream's work before it. 0 (the default) turns the
   // lag off.
   void set_lag(std::uint64_t steps) { lag_ = steps; }
   std::uint64_t lag() const { return lag_; }

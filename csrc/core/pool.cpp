@@ -27,10 +27,10 @@ Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
   if (large_page_ % page_size_ != 0)
     throw InvalidArgument("page size " + format_bytes(large_page_) + " is not a multiple of the device's " +
                           format_bytes(page_size_) + " granularity");
-  if (!(options_.release_slack >= 0 && options_.release_slack <= 1))
-    throw InvalidArgument("release_slack must be in [0, 1], got " + std::to_string(options_.release_slack));
-  if (!(options_.stitch_slack >= 0 && options_.stitch_slack <= 1))
-    throw InvalidArgument("stitch_slack must be in [0, 1], got " + std::to_string(options_.stitch_slack));
+  for (const auto& [name, slack] : {std::pair{"release_slack", options_.release_slack},
+                                    std::pair{"stitch_slack", options_.stitch_slack}})
+    if (!(slack >= 0 && slack <= 1))  // NaN refused too
+      throw InvalidArgument(std::string(name) + " must be in [0, 1], got " + std::to_string(slack));
   if (options_.cap_bytes && options_.cap_bytes < page_size_)
     throw InvalidArgument("cap of " + format_bytes(options_.cap_bytes) +
                           " is below one page (" + format_bytes(page_size_) + ")");

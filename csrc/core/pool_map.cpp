@@ -177,14 +177,17 @@ bool Pool::ensure_mapped(Block* block) {
   };
   const std::size_t group = pages.group();
   // A group is mapped whole only when the driver maps none of its pages: parked pages count as
-  // unmapped (holes, not reserved) but are still mapped there. take_back_parked cleared the groups the block touches, but making
-  // room (below, and in map_run) can park more there: a lent draining block beside the block reaches
-  // its mark and is parked where it lies (park_drained). Such a group is partly mapped: only the pages
-  // the block touches are mapped, never a draining block's. Found by the CPU replay of fbs_gen on a
-  // device of 1.0x its peak live bytes, 100 operations behind (the simulated device refused the map:
-  // "page mapped twice"; on a GPU the driver refuses it too).
+  // unmapped (holes, not reserved) but are still mapped there. take_back_parked cleared the groups
+  // the block touches, but making room (below, and in map_run) can park more there: a lent draining
+  // block beside the block reaches its mark and is parked where it lies (park_drained). Such a group
+  // is partly mapped: only the pages the block touches are mapped, never a draining block's. Found by
+  // the CPU replay of fbs_gen on a device of 1.0x its peak live bytes, 100 operations behind (the
+  // simulated device refused the map: "page mapped twice"; on a GPU the driver refuses it too).
   auto wholly_unmapped = [&](std::size_t g) {
     return pages.count_unmapped({g, g + group}) == group && pages.count_parked({g, g + group}) == 0;
+  };
+  auto touched_in = [&](std::size_t g) {  // the pages of group g the block touches
+    return PageRun{std::max(g, touched.first), std::min(g + group, touched.end)};
   };
   bool whole_groups = false;
   if (group > 1) {
@@ -192,8 +195,7 @@ bool Pool::ensure_mapped(Block* block) {
     // group (mapped page by page earlier, near the cap) only the pages the block touches.
     std::size_t coarse_pages = 0;
     for (std::size_t g = groups.first; g < groups.end; g += group) {
-      coarse_pages += wholly_unmapped(g) ? group
-                                         : pages.count_unmapped({std::max(g, touched.first), std::min(g + group, touched.end)});
+      coarse_pages += wholly_unmapped(g) ? group : pages.count_unmapped(touched_in(g));
     }
     const std::size_t coarse_bytes = coarse_pages * pages.page();
     if (fits_without_release(coarse_bytes)) {
@@ -247,7 +249,7 @@ bool Pool::ensure_mapped(Block* block) {
         g = end;
         continue;
       }
-      const PageRun part{std::max(g, touched.first), std::min(g + group, touched.end)};
+      const PageRun part = touched_in(g);
       for (PageRun run = pages.next_unmapped_run(part.first, part.end); !run.empty();
            run = pages.next_unmapped_run(run.end, part.end))
         if (!map_run(run, false)) return false;

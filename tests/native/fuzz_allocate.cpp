@@ -212,9 +212,8 @@ void Harness::do_allocate_at() {
   free = free && clear;
 
   // Released pages still draining under the range go back first (the pool waits for them), lent ones
-  // too (draining_bytes() leaves them out: their memory backs another block, so unmapping them at
+  // too (draining_bytes() leaves those out: their memory backs another block, so unmapping them at
   // their mark changes no statistic, only the snapshot and num_device_free).
-  recyclable |= pool_->draining_bytes() > 0;
   for (const RegionInfo& r : pool_->snapshot())
     for (const BlockInfo& b : r.blocks) recyclable |= b.state == BlockInfo::kDraining;
   const DeviceStats before = pool_->stats();

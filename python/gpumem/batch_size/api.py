@@ -171,7 +171,8 @@ def find_batch_size(
             to it on a larger GPU, cap the process too (``gpumem.set_cap``): uncapped,
             the allocator may cache more than the budget.
         margin: ``None`` (default): measured.  Trials keep a small floor free
-            (``max(32 MiB, 0.4 %)`` of the budget, for what no trial can see), and the final
+            (``max(32 MiB, 0.4 %)`` of the budget, for what no trial can see; one of its pages,
+            8 MiB by default, instead of 32 MiB when gpumem is the allocator), and the final
             verification measures how much the peak at the answer moves between runs and keeps
             that free too.  A float in [0, 0.5): a fixed fraction of the budget instead.
         resolution: stop refining once the largest fitting and the smallest failing
@@ -293,7 +294,7 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
         budget = min(limit, max_memory)
     else:
         budget = limit
-    floor = floor_bytes(int(budget)) if margin is None else int(budget * margin)
+    floor = floor_bytes(int(budget), backend.floor_min_bytes()) if margin is None else int(budget * margin)
     target = comm.min_int(int(budget) - floor)
     live = backend.allocated()
     if comm.min_int(target - live) <= 0:

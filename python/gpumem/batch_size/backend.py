@@ -12,6 +12,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .verify import FLOOR_MIN_BYTES
+
 
 class _Backend:
     """Memory operations of the device the trials run on (CUDA here; tests substitute
@@ -32,6 +34,10 @@ class _Backend:
     def limits(self) -> Tuple[int, int]:
         """(bytes the allocator may use in all, total device bytes), after clean()."""
         raise NotImplementedError
+
+    def floor_min_bytes(self) -> int:
+        """The smallest floor of the measured margin for this allocator (see verify.py)."""
+        return FLOOR_MIN_BYTES
 
     def hold(self, ballast: int) -> None:
         """Allocate the ballast (held across all trials, released by release())."""
@@ -85,6 +91,15 @@ class _CudaBackend(_Backend):
         if frac is not None and 0 < frac < 1:
             limit = min(limit, int(frac * total))
         return int(limit), int(total)
+
+    def floor_min_bytes(self) -> int:
+        from .. import _torch  # gpumem's bridge: is it torch's allocator here?
+
+        if _torch.is_active():
+            from ..config import from_environment
+
+            return int(from_environment()["page_size"])  # the pool's rounding unit
+        return FLOOR_MIN_BYTES
 
     def hold(self, ballast: int) -> None:
         a0, r0 = self.allocated(), self.reserved()

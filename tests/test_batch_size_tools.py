@@ -60,6 +60,24 @@ def test_measured_margin_reaches_98_percent_and_stays_below_the_max():
     assert res.margin_bytes == limit - fn(res.batch_size)
 
 
+def test_the_backend_sets_the_smallest_floor_of_a_small_budget():
+    # 3 GiB, as the GPU test's per-process budget: 0.4 % is 12 MiB, so the allocator's smallest floor
+    # decides (32 MiB for PyTorch's caching allocator, one page, 8 MiB, for gpumem's pool)
+    limit = 3 * GiB
+    fn = lambda b: 160 * MiB + b * 31 * MiB  # noqa: E731
+
+    class PagedBackend(SimBackend):
+        def floor_min_bytes(self):
+            return 8 * MiB
+
+    native = run_find(mlp(), SimBackend(fn, limit), max_batch=1000)
+    paged = run_find(mlp(), PagedBackend(fn, limit), max_batch=1000)
+    assert native.target_bytes == limit - 32 * MiB
+    assert paged.target_bytes == limit - int(0.004 * limit)  # 12.3 MiB: the fraction, above the page
+    assert native.batch_size == true_max(fn, native.target_bytes) == 92
+    assert paged.batch_size == true_max(fn, paged.target_bytes) == 93
+
+
 def test_fixed_margin_still_accepted():
     limit = 20 * GiB
     fn = lambda b: 3 * GiB + b * 40 * MiB  # noqa: E731

@@ -20,12 +20,12 @@ from typing import Any, Callable, List, Optional
 from .._errors import is_oom_error
 from .results import BatchSizeError, Trial, _Measurement, _TrialOOM
 
-# Smallest floor: a couple of the allocator's largest rounding units. PyTorch's caching allocator
-# rounds requests between 1 and 10 MiB up to 20 MiB segments, and a fresh process may split them
-# otherwise than the search's trials did. gpumem's pool rounds to its physical pages (8 MiB by
-# default) and a trial under the ballast already pays that rounding: on the GPU a fresh process
-# reproduced the trials' allocated peaks to the byte (tests/gpu/test_batch_size_gpu.py), so one page
-# is its floor (backend.floor_min_bytes()).
+# Smallest floor, PyTorch's caching allocator: a couple of its large segments (it rounds requests
+# between 1 and 10 MiB up to 20 MiB segments, and a fresh process may split them otherwise than the
+# search's trials did). gpumem's pool rounds to its physical pages (8 MiB by default), and a trial
+# under the ballast already pays that rounding: on an H100 a fresh process repeated the trials'
+# allocated peaks to the byte (tests/gpu/test_batch_size_gpu.py's GPT), so its smallest floor is one
+# page (_CudaBackend.floor_min_bytes).
 FLOOR_MIN_BYTES = 32 << 20
 # Floor as a fraction of the budget: the part of a fresh process that no trial here can see.
 FLOOR_FRACTION = 0.004

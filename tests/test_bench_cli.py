@@ -153,9 +153,25 @@ def test_gpu_session_names_its_phases(tmp_path):
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
     assert r.returncode == 2
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
-    assert phases == ["build", "suite", "sanitizer", "compare", "mixed", "batch", "ddp", "soak-start",
-                      "soak-collect", "report"]
+    assert phases == ["build", "suite", "suite-part", "sanitizer", "compare", "mixed", "batch", "ddp",
+                      "soak-start", "soak-collect", "report"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_suite_parts_hold_every_gpu_test_file_once(tmp_path):
+    listed = []
+    for part in ("1", "2", "3"):
+        r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh"), "suite-part", part], cwd=tmp_path,
+                           capture_output=True, text=True, env=dict(os.environ, OUT=str(tmp_path), LIST="1"),
+                           timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        listed += r.stdout.split()
+    every = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
+    assert sorted(listed) == every  # a new GPU test file joins a part; none runs twice
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh"), "suite-part", "4"], cwd=tmp_path,
+                       capture_output=True, text=True, env=dict(os.environ, OUT=str(tmp_path), LIST="1"), timeout=60)
+    assert r.returncode == 2 and "1, 2 or 3" in r.stdout
 
 
 def test_fsdp_bench_compare_reads_every_rank_and_flags_differing_losses(tmp_path):

@@ -2,7 +2,7 @@
 # The GPU machine's checks in phases, so a session with little device time runs them in few calls.
 # Every phase writes its logs to $OUT (default /tmp/gpumem-out) and prints a short summary.
 #
-#   bash tools/gpu_session.sh build            # install carried wheels (.whl), build gpumem
+#   bash tools/gpu_session.sh build            # install carried wheels (.whl: tools/fetch_gpu_wheels.sh), build gpumem
 #   bash tools/gpu_session.sh suite [ARGS]     # the GPU test suite, or pytest ARGS (2-GPU tests need 2 GPUs)
 #   bash tools/gpu_session.sh suite-part N     # part N (1-3) of the suite: each under 8 min on one H100
 #                                              # (the whole suite passes the 10-minute limit of a call);

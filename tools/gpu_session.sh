@@ -4,8 +4,8 @@
 #
 #   bash tools/gpu_session.sh build            # install carried wheels (.whl: tools/fetch_gpu_wheels.sh), build gpumem
 #   bash tools/gpu_session.sh suite [ARGS]     # the GPU test suite, or pytest ARGS (2-GPU tests need 2 GPUs)
-#   bash tools/gpu_session.sh suite-part N     # part N (1-3) of the suite: each under 8 min on one H100
-#                                              # (the whole suite passes the 10-minute limit of a call);
+#   bash tools/gpu_session.sh suite-part N     # part N (1-3) of the suite, each sized for one 10-minute
+#                                              # call (the whole suite does not fit one);
 #                                              # LIST=1 prints the part's files only
 #   bash tools/gpu_session.sh sanitizer [TESTS] # the suite (or TESTS) under compute-sanitizer memcheck, alone
 #   bash tools/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
@@ -44,8 +44,9 @@ case "${1:-}" in
     exit $rc
     ;;
   suite-part)
-    # Measured on one H100 (2026-11-27, 50b5c23): part 1 398 s without the notebooks (nbclient was not
-    # on the machine); the other parts' files ran 470 s and 118 s in calls split otherwise.
+    # One H100 (2026-11-27, 50b5c23): part 1's files ran in 398 s (the RMM test skipped); part 2's
+    # with three of batch_size_tools' tests in 470 s; part 3 not timed whole (batch_size 118 s; the
+    # notebooks were skipped, nbclient not carried).
     case "${2:-}" in
       1) files="dropin integrations report run" ;;
       2) files="torch_bridge stitch compile cuda_upstreams cleanup" ;;

@@ -78,6 +78,25 @@ def test_the_backend_sets_the_smallest_floor_of_a_small_budget():
     assert paged.batch_size == true_max(fn, paged.target_bytes) == 93
 
 
+def test_the_cuda_backends_smallest_floor_follows_the_allocator(monkeypatch):
+    # which allocator is torch's is only known with CUDA; the choice the backend makes from it is here
+    from gpumem import _torch
+    from gpumem.batch_size.backend import _CudaBackend
+
+    backend = _CudaBackend(torch.device("cuda", 0))  # nothing touches the device
+    monkeypatch.setattr(_torch, "is_active", lambda: False)
+    assert backend.floor_min_bytes() == 32 * MiB  # PyTorch's allocator
+    monkeypatch.setattr(_torch, "is_active", lambda: True)
+    monkeypatch.delenv("GPUMEM_CONF", raising=False)
+    assert backend.floor_min_bytes() == 8 * MiB  # gpumem's default page
+    monkeypatch.setenv("GPUMEM_CONF", "page_size:32MiB")
+    assert backend.floor_min_bytes() == 32 * MiB
+    monkeypatch.setenv("GPUMEM_CONF", "page_size:2MiB,upstream:vmm")
+    assert backend.floor_min_bytes() == 2 * MiB
+    monkeypatch.setenv("GPUMEM_CONF", "upstream:segments")
+    assert backend.floor_min_bytes() == 32 * MiB  # whole segments: PyTorch's floor
+
+
 def test_fixed_margin_still_accepted():
     limit = 20 * GiB
     fn = lambda b: 3 * GiB + b * 40 * MiB  # noqa: E731

@@ -98,8 +98,10 @@ class _CudaBackend(_Backend):
         if _torch.is_active():
             from ..config import from_environment
 
-            return int(from_environment()["page_size"])  # the pool's rounding unit
-        return FLOOR_MIN_BYTES
+            conf = from_environment()
+            if conf["upstream"] != "segments":  # CUDA virtual memory: the pool rounds to its pages
+                return int(conf["page_size"])
+        return FLOOR_MIN_BYTES  # PyTorch's allocator, or gpumem's whole segments (not measured)
 
     def hold(self, ballast: int) -> None:
         a0, r0 = self.allocated(), self.reserved()

@@ -79,22 +79,22 @@ def test_the_backend_sets_the_smallest_floor_of_a_small_budget():
 
 
 def test_the_cuda_backends_smallest_floor_follows_the_allocator(monkeypatch):
-    # which allocator is torch's is only known with CUDA; the choice the backend makes from it is here
+    # which allocator is torch's, and with which configuration, is only known with CUDA (the bridge
+    # keeps GPUMEM_CONF as it read it); the choice the backend makes from it is here
     from gpumem import _torch
     from gpumem.batch_size.backend import _CudaBackend
+    from gpumem.config import parse_config
 
     backend = _CudaBackend(torch.device("cuda", 0))  # nothing touches the device
-    monkeypatch.setattr(_torch, "is_active", lambda: False)
+    assert _torch.active_config() is None  # no bridge on this machine
     assert backend.floor_min_bytes() == 32 * MiB  # PyTorch's allocator
-    monkeypatch.setattr(_torch, "is_active", lambda: True)
-    monkeypatch.delenv("GPUMEM_CONF", raising=False)
-    assert backend.floor_min_bytes() == 8 * MiB  # gpumem's default page
-    monkeypatch.setenv("GPUMEM_CONF", "page_size:32MiB")
-    assert backend.floor_min_bytes() == 32 * MiB
-    monkeypatch.setenv("GPUMEM_CONF", "page_size:2MiB,upstream:vmm")
-    assert backend.floor_min_bytes() == 2 * MiB
-    monkeypatch.setenv("GPUMEM_CONF", "upstream:segments")
-    assert backend.floor_min_bytes() == 32 * MiB  # whole segments: PyTorch's floor
+    for conf, floor in [("", 8 * MiB),  # gpumem's default page
+                        ("page_size:32MiB", 32 * MiB),
+                        ("page_size:2MiB,upstream:vmm", 2 * MiB),
+                        ("upstream:segments", 32 * MiB)]:  # whole segments: PyTorch's floor
+        monkeypatch.setattr(_torch, "active_config", lambda conf=conf: dict(parse_config(conf)))
+        monkeypatch.setenv("GPUMEM_CONF", "page_size:4MiB")  # set after the start: not the pool's
+        assert backend.floor_min_bytes() == floor, conf
 
 
 def test_fixed_margin_still_accepted():

@@ -31,6 +31,7 @@ _installed = False
 _warned = False
 _bridge: Any = None
 _bridge_ready = False
+_bridge_config: Optional[Dict[str, Any]] = None  # GPUMEM_CONF as parsed when the bridge was initialized
 
 
 def _disabled() -> bool:
@@ -93,7 +94,7 @@ _gc_collect = _GcOnOom()
 
 def _init_bridge(torch: Any) -> Any:
     """The bridge, configured from GPUMEM_CONF (once)."""
-    global _bridge, _bridge_ready
+    global _bridge, _bridge_ready, _bridge_config
     if _bridge_ready:
         return _bridge
     bridge = _import_bridge()
@@ -102,7 +103,7 @@ def _init_bridge(torch: Any) -> Any:
     parsed = _parse_conf(conf)
     if parsed is None or parsed.get("gc_on_oom", True):
         bridge.set_oom_callback(_gc_collect)
-    _bridge, _bridge_ready = bridge, True
+    _bridge, _bridge_ready, _bridge_config = bridge, True, parsed
     return bridge
 
 
@@ -175,6 +176,12 @@ def status_line() -> str:
 def is_active() -> bool:
     """True when gpumem is PyTorch's CUDA allocator in this process."""
     return bool(_bridge_ready and _bridge.is_current())
+
+
+def active_config() -> Optional[Dict[str, Any]]:
+    """The configuration of gpumem's pools while gpumem is PyTorch's CUDA allocator (``GPUMEM_CONF``
+    as gpumem read it at start-up: setting the variable later changes nothing), else None."""
+    return _bridge_config if is_active() else None
 
 
 def _device_index(torch: Any, device: Any) -> int:

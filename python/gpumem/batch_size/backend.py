@@ -93,14 +93,11 @@ class _CudaBackend(_Backend):
         return int(limit), int(total)
 
     def floor_min_bytes(self) -> int:
-        from .. import _torch  # gpumem's bridge: is it torch's allocator here?
+        from .. import _torch
 
-        if _torch.is_active():
-            from ..config import from_environment
-
-            conf = from_environment()
-            if conf["upstream"] != "segments":  # CUDA virtual memory: the pool rounds to its pages
-                return int(conf["page_size"])
+        conf = _torch.active_config()  # the pool's own, when gpumem is torch's allocator
+        if conf is not None and conf["upstream"] != "segments":  # CUDA virtual memory: it rounds to pages
+            return int(conf["page_size"])
         return FLOOR_MIN_BYTES  # PyTorch's allocator, or gpumem's whole segments (not measured)
 
     def hold(self, ballast: int) -> None:

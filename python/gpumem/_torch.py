@@ -9,7 +9,8 @@
 * CUDA already initialized          -> one warning saying what to do; ``with gpumem.mem_pool(): ...``
   still routes allocations to gpumem through ``torch.cuda.MemPool``.
 * otherwise                         -> registered; ``gc.collect()`` runs before an allocation fails
-  (unless ``gc_on_oom:false``; not again while a collect a moment ago found nothing: ``_GcOnOom``).
+  (unless ``gc_on_oom:false``; not again while a collect a moment ago found nothing: ``_GcOnOom``),
+  and NCCL's register hook is turned off on CUDA virtual memory (``_nccl_hook``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
+from . import _nccl_hook
 from ._optional import torch_or_reason
 
 __all__ = ["install", "is_active", "mem_pool", "pool", "stats", "status_line"]
@@ -160,6 +162,7 @@ def install() -> str:
                 RuntimeWarning, stacklevel=3)
         return _status
     bridge.register()
+    _nccl_hook.turn_off_for_pages(_bridge_config)  # before any process group reads it
     _status = "gpumem: active as torch's CUDA allocator"
     return _status
 

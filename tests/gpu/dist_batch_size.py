@@ -82,8 +82,11 @@ def fsdp(rank, world):
 def uneven(rank, world):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2048, 8192), nn.GELU(), nn.Linear(8192, 8192), nn.GELU(),
-                          nn.Linear(8192, 1000)).cuda()
+    # 29 M parameters: with their gradients, AdamW's two states and DDP's gradient buckets 0.6 GiB,
+    # which leaves the last of two ranks (1.5 GiB) room for batches (92 M left it none: batch 1 did
+    # not fit there).
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(),
+                          nn.Linear(4096, 1000)).cuda()
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
     opt = torch.optim.AdamW(ddp.parameters())
 

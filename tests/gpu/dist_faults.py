@@ -9,9 +9,12 @@ recover  DDP. At step 2 the last rank asks for more than its device holds inside
          the batch together, empties its cache and goes on; 6 steps in all. The parameters stay equal
          on every rank (DDP's all-reduce kept running), and nothing hangs.
 crash    FSDP2. At step 2 the last rank runs out of memory in the forward of its third block and does
-         not catch it: the others wait in FSDP's next all-gather until torchrun, seeing a rank exit
-         with an error, stops them (the process group's timeout, 60 s, bounds it otherwise). The test
-         checks the whole job ends, with an error naming the out-of-memory, well inside its timeout.
+         not catch it: the others' GPUs wait in FSDP's next all-gather, and their CPUs where the step
+         logs its loss (loss.item(), as training loops do: without it a rank's CPU may queue its
+         remaining steps and reach the end before anything stops it), until torchrun, seeing a rank
+         exit with an error, stops them (the process group's timeout, 60 s, bounds it otherwise). The
+         test checks the whole job ends, with an error naming the out-of-memory, well inside its
+         timeout.
 
 Prints ``RESULT {json}`` per rank (recover), or the failing rank's traceback (crash).
 """
@@ -99,7 +102,7 @@ def crash(rank, world, local_rank):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        print(f"RANK {rank} step {step} done", flush=True)
+        print(f"RANK {rank} step {step} done, loss {loss.item():.4f}", flush=True)
     return dict(unexpected="every step ran")
 
 

@@ -13,6 +13,11 @@ audit (gpumem._bridge.tracker_audit) checks what trackers were told: every SEGME
 segment exactly, no SEGMENT_ALLOC overlaps one, no tracker raised, and the live segments are
 torch.cuda.memory_snapshot()'s at the end.
 
+gpumem turns the hook off when its pools map CUDA virtual memory pages (NCCL registers a segment as
+one physical allocation; gpumem/_nccl_hook.py): ``hook`` is what the caller asked, ``hook_in_effect``
+what ProcessGroupNCCL read. With ``GPUMEM_CONF=upstream:segments`` (whole cudaMalloc segments) the hook
+stays on and NCCL registers gpumem's segments.
+
 Prints ``RESULT {json}`` per rank.
 """
 import json
@@ -20,7 +25,8 @@ import os
 import sys
 
 ALLOCATOR = sys.argv[1] if len(sys.argv) > 1 else "gpumem"
-if ALLOCATOR == "gpumem":
+HOOK_ASKED = os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", "0")
+if ALLOCATOR == "gpumem":  # turns the hook off on CUDA virtual memory (gpumem/_nccl_hook.py)
     import gpumem
     from gpumem import _bridge
 
@@ -70,7 +76,7 @@ def main():
         if gpumem_on:
             frees_seen.append(_bridge.tracker_audit()["frees"])
     result = dict(rank=rank, world=world, allocator=ALLOCATOR,
-                  hook=os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", "0"),
+                  hook=HOOK_ASKED, hook_in_effect=os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", "0"),
                   checked=checked, wrong=wrong, nccl=".".join(map(str, torch.cuda.nccl.version())))
     if gpumem_on:
         audit = _bridge.tracker_audit()

@@ -1,0 +1,54 @@
+"""NCCL buffer registration and gpumem's pages: ``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK``
+turned off where gpumem's memory is CUDA virtual memory (run by ``install()`` once gpumem is torch's
+allocator, before any process group reads the variable).
+
+With the hook on, ProcessGroupNCCL registers with NCCL every segment the allocator reports: the
+snapshot's when a communicator starts, then each ``SEGMENT_ALLOC`` (``ncclCommRegister``). A collective
+on a registered buffer lets the other GPUs of the node read and write it directly, and NCCL (2.28.9,
+torch 2.11's) shares it with them as the one physical allocation that holds the buffer
+(``cuMemGetAddressRange`` + ``cuMemRetainAllocationHandle``) at the offset of the registered segment.
+gpumem's segments are spans of mapped pages, each page a physical allocation of its own, so a peer
+maps one page of a span and a collective on a buffer past it reads or writes outside the mapping:
+an illegal memory access (two ranks on two H200s, ``tests/gpu/dist_nccl_register.py``: two runs of
+three). PyTorch turns the hook off for its own expandable segments, which are made the same way;
+gpumem does the same and says so. Collectives stay correct without it: NCCL copies through its own
+buffers, as it does by default.
+
+Whole ``cudaMalloc`` segments (``GPUMEM_CONF=upstream:segments``) are one allocation each, so the hook
+stays on there. A variable set after ``import gpumem`` is not seen here: set it before, or not at all.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Dict, Optional
+
+HOOK_VARIABLE = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
+_OFF_VALUES = {"", "0", "false", "no", "n", "off"}
+
+
+def hook_requested() -> bool:
+    """Whether the environment asks ProcessGroupNCCL for the register hook."""
+    return os.environ.get(HOOK_VARIABLE, "").strip().lower() not in _OFF_VALUES
+
+
+def turn_off_for_pages(config: Optional[Dict[str, Any]]) -> bool:
+    """Sets the hook's variable to 0, with a warning, when it is on and gpumem's pools map pages
+    (``upstream`` ``auto`` or ``vmm``; None, no parsed configuration, counts as the default). Returns
+    whether it did."""
+    if not hook_requested():
+        return False
+    upstream = (config or {}).get("upstream", "auto")
+    if upstream == "segments":
+        return False
+    value = os.environ[HOOK_VARIABLE]
+    os.environ[HOOK_VARIABLE] = "0"
+    warnings.warn(
+        f"gpumem: {HOOK_VARIABLE}={value} turned off (set to 0). With it, NCCL shares a registered "
+        f"segment with the other GPUs as one physical allocation, and gpumem's segments are runs of "
+        f"CUDA virtual memory pages, one allocation each, so collectives on them could touch memory "
+        f"outside what the other GPUs mapped. PyTorch turns the hook off for its expandable segments "
+        f"for the same reason. Collectives stay correct without it (NCCL copies through its own "
+        f"buffers). GPUMEM_CONF=upstream:segments (whole cudaMalloc segments) keeps the hook.",
+        RuntimeWarning, stacklevel=4)
+    return True

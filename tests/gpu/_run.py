@@ -1,9 +1,12 @@
 """How the GPU tests start a Python child process: without the environment's gpumem settings (each test
 sets the ones it means), and, for children that start children of their own (inductor's compile workers,
-spawned processes), in a process group of their own, killed whole when it runs out of time."""
+spawned processes), in a process group of their own, killed whole when it runs out of time; and how
+torchrun children report their results (one ``RESULT {json}`` line per rank, on a stdout the ranks share)."""
+import json
 import os
 import signal
 import subprocess
+import sys
 
 GPUMEM_SETTINGS = ("GPUMEM_CONF", "GPUMEM_DISABLE")
 
@@ -30,3 +33,20 @@ def finish(proc, timeout):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return out, err, True
+
+
+def print_result(row):
+    """``RESULT {json}`` in one write: print() writes the text and its newline apart, so on unbuffered
+    output (PYTHONUNBUFFERED) two ranks' lines could run together."""
+    sys.stdout.write("RESULT " + json.dumps(row) + "\n")
+    sys.stdout.flush()
+
+
+def read_results(out):
+    """Every ``RESULT {json}`` object in `out`, in order, wherever a line break fell."""
+    decoder, rows, at = json.JSONDecoder(), [], out.find("RESULT ")
+    while at >= 0:
+        row, end = decoder.raw_decode(out, at + len("RESULT "))
+        rows.append(row)
+        at = out.find("RESULT ", end)
+    return rows

@@ -7,12 +7,12 @@ fsdp    a GPT sharded with FSDP2 (fully_shard per block and at the root), traine
         same budget on every rank. Every rank must get the same size, and 3 steps at that size must
         run capped at the budget (set_per_process_memory_fraction) without an OOM on every rank.
 uneven  a DDP model; rank r's budget is 3 GiB / (r + 1), so the last rank has the least memory. Each
-        rank's own answer (searched alone, distributed=False), then the agreed one: the same on every
-        rank, the smallest rank's answer (it decides), and it fits on that rank.
+        rank's own answer (searched alone, distributed=False) before and after the agreed one: the
+        agreed one is the same on every rank, the smallest rank's answer (it decides), and it fits
+        on that rank.
 
 Prints ``RESULT {json}`` per rank.
 """
-import json
 import os
 import sys
 
@@ -26,6 +26,8 @@ import gpumem  # before torch starts CUDA
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 from models import GPT  # noqa: E402
+
+import _run  # noqa: E402  (tests/gpu, the script's own folder)
 
 GiB = 1 << 30
 VOCAB, SEQ = 8192, 512
@@ -100,14 +102,20 @@ def uneven(rank, world):
 
     budget = 3 * GiB // (rank + 1)
     kw = dict(model=model, step_fn=step, optimizer=opt, max_memory=budget, verbose=False)
+    # Each rank's own answer before and after the agreed search: the one after is taken in the same
+    # state of the process as the agreed one (two ranks on two H200s: the first search of a process
+    # answered 13,578 on the last rank, the agreed search after it 15,857).
     local = gpumem.find_batch_size(distributed=False, **kw)
     dist.barrier()
     agreed = gpumem.find_batch_size(**kw)
-    locals_ = [None] * world
+    dist.barrier()
+    local_after = gpumem.find_batch_size(distributed=False, **kw)
+    locals_, locals_after = [None] * world, [None] * world
     dist.all_gather_object(locals_, local.batch_size)
+    dist.all_gather_object(locals_after, local_after.batch_size)
     peak, fits = peak_in_budget(step, agreed.batch_size, budget)
-    return dict(local=local.batch_size, agreed=agreed.batch_size, locals=locals_, budget=budget,
-                world_size=agreed.world_size, peak=peak, fits=fits)
+    return dict(local=local.batch_size, agreed=agreed.batch_size, locals=locals_, locals_after=locals_after,
+                budget=budget, world_size=agreed.world_size, peak=peak, fits=fits)
 
 
 def main():
@@ -118,7 +126,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     assert gpumem.is_active()
     result = {"fsdp": fsdp, "uneven": uneven}[scenario](rank, world)
-    print("RESULT " + json.dumps(dict(result, rank=rank, world=world, scenario=scenario)), flush=True)
+    _run.print_result(dict(result, rank=rank, world=world, scenario=scenario))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -18,7 +18,6 @@ crash    FSDP2. At step 2 the last rank runs out of memory in the forward of its
 
 Prints ``RESULT {json}`` per rank (recover), or the failing rank's traceback (crash).
 """
-import json
 import os
 import sys
 from datetime import timedelta
@@ -33,6 +32,8 @@ import gpumem  # before torch starts CUDA
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 from models import GPT  # noqa: E402
+
+import _run  # noqa: E402  (tests/gpu, the script's own folder)
 
 VOCAB = 8192
 
@@ -114,7 +115,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     assert gpumem.is_active()
     result = {"recover": recover, "crash": crash}[scenario](rank, world, local_rank)
-    print("RESULT " + json.dumps(dict(result, rank=rank, world=world, scenario=scenario)), flush=True)
+    _run.print_result(dict(result, rank=rank, world=world, scenario=scenario))
     dist.barrier()
     dist.destroy_process_group()
 

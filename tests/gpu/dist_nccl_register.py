@@ -20,7 +20,6 @@ stays on and NCCL registers gpumem's segments.
 
 Prints ``RESULT {json}`` per rank.
 """
-import json
 import os
 import sys
 
@@ -30,6 +29,7 @@ if ALLOCATOR == "gpumem":  # turns the hook off on CUDA virtual memory (gpumem/_
     import gpumem
     from gpumem import _bridge
 
+import _run  # noqa: E402  (tests/gpu, the script's own folder)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -85,7 +85,7 @@ def main():
                       first_tracker_error=audit["first_tracker_error"],
                       audit_equals_snapshot=sorted(audit["segments"]) == snapshot_segments(),
                       live_segments=len(audit["segments"]))
-    print("RESULT " + json.dumps(result), flush=True)
+    _run.print_result(result)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -39,11 +39,7 @@ def _torchrun(script_args, timeout, nproc=None, **env):
     proc = _run.start(cmd, _run.clean_env(**env))
     out, err, timed_out = _run.finish(proc, timeout)
     assert not timed_out, f"torchrun still running after {timeout} s (a hang):\n{out[-3000:]}\n{err[-3000:]}"
-    results = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            row = json.loads(line[len("RESULT "):])
-            results[row["rank"]] = row
+    results = {row["rank"]: row for row in _run.read_results(out)}
     return results, out, err, proc.returncode
 
 
@@ -134,7 +130,7 @@ def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
     assert rc == 0, (out[-3000:], err[-3000:])
     agreed = {row["agreed"] for row in results.values()}
     assert len(agreed) == 1, results
-    locals_ = results[0]["locals"]
+    locals_ = results[0]["locals_after"]  # each rank alone, in the same state as the agreed search
     smallest = min(range(len(locals_)), key=lambda r: results[r]["budget"])
     assert abs(agreed.pop() - locals_[smallest]) <= 1, results
     assert results[0]["agreed"] < max(locals_), results

@@ -154,8 +154,20 @@ def test_gpu_session_names_its_phases(tmp_path):
     assert r.returncode == 2
     phases = re.findall(r"tools/gpu_session\.sh (\S+)", r.stdout)
     assert phases == ["build", "suite", "suite-part", "sanitizer", "compare", "mixed", "batch", "ddp",
-                      "soak-start", "soak-collect", "report"]
+                      "soak-start", "soak-collect", "report", "peer"]
     assert ".carry" not in (ROOT / "tools" / "gpu_session.sh").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("kit", [None, "no-such-folder"])
+def test_gpu_session_peer_says_what_kit_it_needs(tmp_path, kit):
+    env = dict(os.environ, OUT=str(tmp_path))
+    env.pop("KIT", None)
+    if kit is not None:
+        env["KIT"] = str(tmp_path / kit)
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh"), "peer"], cwd=tmp_path, capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 3 and "KIT=DIR, a copy of ../shared/torch_tests" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

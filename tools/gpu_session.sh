@@ -16,6 +16,8 @@
 #   bash tools/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
 #   bash tools/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
 #   bash tools/gpu_session.sh report           # gpumem.report: live training, 10^6 events; gpumem, native
+#   KIT=DIR bash tools/gpu_session.sh peer     # PyTorch's allocator tests, native vs gpumem (DIR: a carried
+#                                              # copy of ../shared/torch_tests)
 #
 # The soak outlasts one call (10 minutes of steps plus start-up), so soak-start detaches it (setsid)
 # and soak-collect, in a call made while the machine is still warm, picks it up. compare, ddp and the
@@ -45,8 +47,9 @@ case "${1:-}" in
     ;;
   suite-part)
     # One H100 (2026-11-27, 50b5c23): part 1's files ran in 398 s (the RMM test skipped); part 2's
-    # with three of batch_size_tools' tests in 470 s; part 3 not timed whole (batch_size 118 s; the
-    # notebooks were skipped, nbclient not carried).
+    # with three of batch_size_tools' tests in 470 s. Part 3 not timed whole: on an H200 (d4368b5)
+    # batch_size 95 s, batch_size_tools with the notebooks (nbclient carried) 266 s; distributed,
+    # which runs on every GPU, 265 s on two H200s.
     case "${2:-}" in
       1) files="dropin integrations report run" ;;
       2) files="torch_bridge stitch compile cuda_upstreams cleanup" ;;
@@ -106,6 +109,31 @@ case "${1:-}" in
     grep -E "ok  |FAIL|checks|Error|^\{|^live report|bytes$" "$OUT/report_gpumem.log" "$OUT/report_native.log" | cut -c1-600
     exit $(( rc || rc2 ))
     ;;
+  peer)
+    # PyTorch's own allocator tests (../shared/torch_tests, copied to $KIT and carried): every part with
+    # each allocator, the two allocators on their own GPUs side by side where there are two (one H200
+    # pair, 2026-11-27: 159 s for all of it), else one after the other (about 300 s on one H100).
+    [ -n "${KIT:-}" ] && [ -f "$KIT/run_peer.sh" ] || {
+      echo "peer needs KIT=DIR, a copy of ../shared/torch_tests in an ignored folder that the call carries"
+      exit 3
+    }
+    python3 -m pip install -q --no-deps --no-index "$KIT"/wheels/expecttest-*.whl
+    rm -rf "$OUT/peer" && mkdir -p "$OUT/peer"
+    half() {  # allocator, GPU
+      for p in part1 part2 part3; do
+        CUDA_VISIBLE_DEVICES=$2 OUT="$OUT/peer" PEER_BUDGET=150 timeout 170 bash "$KIT/run_peer.sh" $p $1 \
+          > "$OUT/peer/$1_$p.out" 2>&1
+      done
+    }
+    if [ "$(gpus)" -ge 2 ]; then
+      half gpumem 0 & half native 1 & wait
+    else
+      half gpumem 0; half native 0
+    fi
+    python3 "$KIT/compare.py" "$OUT/peer/native_part*.xml" "$OUT/peer/gpumem_part*.xml" > "$OUT/peer/compare.txt" 2>&1
+    grep -A4 "REAL REGRESSIONS" "$OUT/peer/compare.txt" | head -12
+    grep "PEER SUMMARY" "$OUT/peer/compare.txt"
+    ;;
   soak-start)
     rm -rf "$SOAK" && mkdir -p "$SOAK"
     last=$(( $(gpus) - 1 ))
@@ -130,7 +158,7 @@ case "${1:-}" in
     cp "$SOAK"/*.log "$OUT/"
     ;;
   *)
-    sed -n '2,18p' "$SELF"
+    awk 'NR > 1 && !/^#/ { exit } NR > 1' "$SELF"  # the header above
     exit 2
     ;;
 esac

@@ -16,6 +16,8 @@ buffers, as it does by default.
 
 Whole ``cudaMalloc`` segments (``GPUMEM_CONF=upstream:segments``) are one allocation each, so the hook
 stays on there. A variable set after ``import gpumem`` is not seen here: set it before, or not at all.
+Nor is anything done when gpumem is not torch's allocator (CUDA started first; ``gpumem.mem_pool()``
+routes allocations to blocks that span pages as well): docs/distributed.md says not to combine them.
 """
 from __future__ import annotations
 

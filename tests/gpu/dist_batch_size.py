@@ -33,11 +33,12 @@ GiB = 1 << 30
 VOCAB, SEQ = 8192, 512
 
 
-def peak_in_budget(step, batch, budget):
+def peak_in_budget(step, batch, budget, detail=None):
     """3 steps at `batch` with the process capped at `budget` (what the budget means to the allocator:
     the search ran under the same cap): (max_memory_reserved, whether all 3 ran without an OOM).
     Uncapped, a caching allocator may keep more than the budget reserved (pages cached for FSDP's
-    other streams), which is not what the search promises."""
+    other streams), which is not what the search promises. `detail` (a dict), if given, gets the
+    allocated and reserved peaks and the out-of-memory message, if any."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -48,11 +49,15 @@ def peak_in_budget(step, batch, budget):
             step(batch)
         torch.cuda.synchronize()
         fits = True
-    except torch.cuda.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError as e:
         fits = False
+        if detail is not None:
+            detail["oom"] = str(e)[:300]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     peak = torch.cuda.max_memory_reserved()
+    if detail is not None:
+        detail.update(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=peak)
     return peak, fits and peak <= budget
 
 
@@ -113,9 +118,17 @@ def uneven(rank, world):
     locals_, locals_after = [None] * world, [None] * world
     dist.all_gather_object(locals_, local.batch_size)
     dist.all_gather_object(locals_after, local_after.batch_size)
-    peak, fits = peak_in_budget(step, agreed.batch_size, budget)
+    detail = {}
+    peak, fits = peak_in_budget(step, agreed.batch_size, budget, detail)
+    # What each search measured, for a failure to say why (the first search of a process answered lower).
+    searches = {name: dict(batch=r.batch_size, limit=r.limit_bytes, target=r.target_bytes,
+                           measured_peak=r.measured_peak_bytes, margin=r.margin_bytes,
+                           per_sample=r.bytes_per_sample, fixed=r.fixed_bytes,
+                           reserved_before=r.reserved_before, trials=len(r.trials))
+                for name, r in (("local", local), ("agreed", agreed), ("local_after", local_after))}
     return dict(local=local.batch_size, agreed=agreed.batch_size, locals=locals_, locals_after=locals_after,
-                budget=budget, world_size=agreed.world_size, peak=peak, fits=fits)
+                budget=budget, world_size=agreed.world_size, peak=peak, fits=fits, check=detail,
+                searches=searches)
 
 
 def main():

@@ -128,6 +128,7 @@ def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
     _need_two()
     results, out, err, rc = _torchrun([os.path.join(HERE, "dist_batch_size.py"), "uneven"], timeout=420)
     assert rc == 0, (out[-3000:], err[-3000:])
+    print(json.dumps(results))  # whole, in the captured output of a failure (each search's figures)
     agreed = {row["agreed"] for row in results.values()}
     assert len(agreed) == 1, results
     locals_ = results[0]["locals_after"]  # each rank alone, in the same state as the agreed search
@@ -135,7 +136,6 @@ def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
     assert abs(agreed.pop() - locals_[smallest]) <= 1, results
     assert results[0]["agreed"] < max(locals_), results
     assert all(row["fits"] for row in results.values()), results
-    print(json.dumps(results))
 
 
 # ---- one rank out of memory inside a step --------------------------------------------------------------

@@ -9,8 +9,8 @@ torch 2.11's) shares it with them as the one physical allocation that holds the 
 (``cuMemGetAddressRange`` + ``cuMemRetainAllocationHandle``) at the offset of the registered segment.
 gpumem's segments are spans of mapped pages, each page a physical allocation of its own, so a peer
 maps one page of a span and a collective on a buffer past it reads or writes outside the mapping:
-an illegal memory access (two ranks on two H200s, ``tests/gpu/dist_nccl_register.py``: two runs of
-three). PyTorch turns the hook off for its own expandable segments, which are made the same way;
+an illegal memory access (two ranks on two H200s, ``tests/gpu/dist_nccl_register.py``: 3 failed runs of
+5, the two whose output was kept with an illegal memory access). PyTorch turns the hook off for its own expandable segments, which are made the same way;
 gpumem does the same and says so. Collectives stay correct without it: NCCL copies through its own
 buffers, as it does by default.
 

@@ -77,8 +77,8 @@ def test_fsdp2_training_losses_equal_native_and_reserved_flat(tmp_path):
 
 @pytest.mark.parametrize("hook,conf,in_effect", [
     ("0", "", "0"),
-    # On CUDA virtual memory gpumem turns the hook off at import (with two ranks it gave an illegal
-    # memory access in two runs of three: NCCL shares a registered segment as one physical allocation).
+    # On CUDA virtual memory gpumem turns the hook off at import (with it on, two ranks failed 3 runs of 5
+    # with an illegal memory access: NCCL shares a registered segment as one physical allocation).
     ("1", "", "0"),
     ("1", "upstream:segments", "1"),  # whole cudaMalloc segments: the hook stays on, NCCL registers them
 ])

@@ -8,11 +8,11 @@ on a registered buffer lets the other GPUs of the node read and write it directl
 torch 2.11's) shares it with them as the one physical allocation that holds the buffer
 (``cuMemGetAddressRange`` + ``cuMemRetainAllocationHandle``) at the offset of the registered segment.
 gpumem's segments are spans of mapped pages, each page a physical allocation of its own, so a peer
-maps one page of a span and a collective on a buffer past it reads or writes outside the mapping:
-an illegal memory access (two ranks on two H200s, ``tests/gpu/dist_nccl_register.py``: 3 failed runs of
-5, the two whose output was kept with an illegal memory access). PyTorch turns the hook off for its own expandable segments, which are made the same way;
-gpumem does the same and says so. Collectives stay correct without it: NCCL copies through its own
-buffers, as it does by default.
+maps one page of a span and a collective on a buffer past it reads or writes outside the mapping
+(two ranks on two H200s, ``tests/gpu/dist_nccl_register.py``: 3 failed runs of 5, the two whose output
+was kept with an illegal memory access). PyTorch turns the hook off for its own expandable segments,
+which are made the same way; gpumem does the same and says so. Collectives stay correct without it:
+NCCL copies through its own buffers, as it does by default.
 
 Whole ``cudaMalloc`` segments (``GPUMEM_CONF=upstream:segments``) are one allocation each, so the hook
 stays on there. A variable set after ``import gpumem`` is not seen here: set it before, or not at all.

@@ -61,6 +61,14 @@ def peak_in_budget(step, batch, budget, detail=None):
     return peak, fits and peak <= budget
 
 
+def outside_bytes():
+    """Device memory in use that torch's allocator does not hold (CUDA context, NCCL, loaded kernels):
+    what a search's ballast cannot see growing while it runs."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
 def fsdp(rank, world):
     from torch.distributed.fsdp import fully_shard
 
@@ -110,11 +118,15 @@ def uneven(rank, world):
     # Each rank's own answer before and after the agreed search: the one after is taken in the same
     # state of the process as the agreed one (two ranks on two H200s: the first search of a process
     # answered 13,578 on the last rank, the agreed search after it 15,857).
+    outside = [outside_bytes()]  # device memory outside torch's allocator, before and after each search
     local = gpumem.find_batch_size(distributed=False, **kw)
+    outside.append(outside_bytes())
     dist.barrier()
     agreed = gpumem.find_batch_size(**kw)
+    outside.append(outside_bytes())
     dist.barrier()
     local_after = gpumem.find_batch_size(distributed=False, **kw)
+    outside.append(outside_bytes())
     locals_, locals_after = [None] * world, [None] * world
     dist.all_gather_object(locals_, local.batch_size)
     dist.all_gather_object(locals_after, local_after.batch_size)
@@ -128,7 +140,7 @@ def uneven(rank, world):
                 for name, r in (("local", local), ("agreed", agreed), ("local_after", local_after))}
     return dict(local=local.batch_size, agreed=agreed.batch_size, locals=locals_, locals_after=locals_after,
                 budget=budget, world_size=agreed.world_size, peak=peak, fits=fits, check=detail,
-                searches=searches)
+                searches=searches, outside=outside)
 
 
 def main():

@@ -26,12 +26,14 @@ import warnings
 from typing import Any, Dict, Optional
 
 HOOK_VARIABLE = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
-_OFF_VALUES = {"", "0", "false", "no", "n", "off"}
+# What ProcessGroupNCCL reads as on (c10d's getCvarBool, lower-cased, nothing stripped); "n", "no",
+# "0", "f", "false" are off, and anything else makes it raise, which is left for it to say.
+_ON_VALUES = {"y", "yes", "1", "t", "true"}
 
 
 def hook_requested() -> bool:
-    """Whether the environment asks ProcessGroupNCCL for the register hook."""
-    return os.environ.get(HOOK_VARIABLE, "").strip().lower() not in _OFF_VALUES
+    """Whether the environment asks ProcessGroupNCCL for the register hook, as it reads the variable."""
+    return os.environ.get(HOOK_VARIABLE, "").lower() in _ON_VALUES
 
 
 def turn_off_for_pages(config: Optional[Dict[str, Any]]) -> bool:

@@ -42,8 +42,9 @@ def turn_off_for_pages(config: Optional[Dict[str, Any]]) -> bool:
     whether it did."""
     if not hook_requested():
         return False
-    upstream = (config or {}).get("upstream", "auto")
-    if upstream == "segments":
+    from .config import maps_pages  # the core, which parses the configuration, is there by now
+
+    if config is not None and not maps_pages(config):
         return False
     value = os.environ[HOOK_VARIABLE]
     os.environ[HOOK_VARIABLE] = "0"

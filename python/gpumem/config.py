@@ -28,7 +28,7 @@ Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 from __future__ import annotations
 
 import os
-from typing import TypedDict
+from typing import Any, Mapping, TypedDict
 
 from . import _C
 
@@ -55,6 +55,13 @@ def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:
     0.5
     """
     return _C.parse_config(text, source)  # type: ignore[return-value]
+
+
+def maps_pages(config: Mapping[str, Any]) -> bool:
+    """Whether pools of this configuration map CUDA virtual memory pages (``upstream`` ``auto`` or
+    ``vmm``; auto falls back to segments only where the driver has no virtual memory) rather than
+    take whole ``cudaMalloc`` segments."""
+    return config["upstream"] != "segments"
 
 
 def from_environment() -> Config:

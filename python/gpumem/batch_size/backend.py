@@ -94,9 +94,10 @@ class _CudaBackend(_Backend):
 
     def floor_min_bytes(self) -> int:
         from .. import _torch
+        from ..config import maps_pages
 
         conf = _torch.active_config()  # the pool's own, when gpumem is torch's allocator
-        if conf is not None and conf["upstream"] != "segments":  # CUDA virtual memory: it rounds to pages
+        if conf is not None and maps_pages(conf):  # CUDA virtual memory: it rounds to pages
             return int(conf["page_size"])
         return FLOOR_MIN_BYTES  # PyTorch's allocator, or gpumem's whole segments (not measured)
 

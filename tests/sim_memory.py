@@ -8,7 +8,8 @@ from gpumem import batch_size as bs
 
 class SimBackend(bs._Backend):
     """peak = curve(size) (+ jitter(size, trials so far)); a trial runs out of memory (a real
-    ``torch.OutOfMemoryError``, asking for ``oom_request``) when peak + ballast > limit.
+    ``torch.OutOfMemoryError``, asking for ``oom_request``) when peak > the bound's target (or the
+    limit, unbound).
 
     live: bytes held before the search. reports_reserved: end() gives the reserved peak (equal to the
     allocated one) as the CUDA backend does, or None, as a backend that cannot tell."""
@@ -30,10 +31,10 @@ class SimBackend(bs._Backend):
     def limits(self):
         return self.limit, self.total
 
-    def hold(self, ballast):
-        self.ballast = ballast
+    def bound(self, target, limit):
+        self.ballast = limit - target  # what the trials may not use, as a cap or a ballast would
 
-    def release(self):
+    def unbound(self):
         self.ballast = 0
 
     def begin(self, b):

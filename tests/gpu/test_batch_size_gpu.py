@@ -149,10 +149,11 @@ IN_PROCESS_CAP = 8 << 30
 def capped():
     """Cap this (pytest's) process at IN_PROCESS_CAP during the test, then lift the cap.
 
-    The finder's ballast takes everything under the allocator's limit. Uncapped, that is the whole
-    device: the tests would depend on the GPU's size, and compute-sanitizer, which needs device memory
-    for every kernel launch it tracks, would leave launches unchecked (it did: 490 in this file on an
-    H100). The whole-device path runs in notebooks/quickstart.ipynb (tests/gpu/test_notebooks_gpu.py).
+    Without max_memory the finder's budget is the allocator's limit: uncapped, the whole device, and
+    the tests would depend on the GPU's size. (Its trials used to run next to a ballast tensor taking
+    everything under that limit, which left compute-sanitizer no memory for the launches it tracks:
+    490 went unchecked in this file on an H100; they now run under the memory fraction.) The
+    whole-device path runs in notebooks/quickstart.ipynb (tests/gpu/test_notebooks_gpu.py).
     """
     import gpumem  # noqa: F401  before CUDA starts, as the tests themselves import it
     import torch
@@ -213,13 +214,42 @@ def test_leaves_no_trace(use_user_optimizer):
     rng = torch.cuda.get_rng_state()
     torch.cuda.synchronize()
     reserved_before = torch.cuda.memory_reserved()
+    fraction_before = torch.cuda.get_per_process_memory_fraction()  # the fixture's cap
     res = gpumem.find_batch_size(model, (3, 64, 64), max_memory=2 << 30, autocast=torch.bfloat16,
                                  optimizer=opt if use_user_optimizer else torch.optim.AdamW, verbose=False)
     assert res.batch_size > 8
+    assert torch.cuda.get_per_process_memory_fraction() == fraction_before  # the trials' cap lifted
     assert torch.cuda.memory_reserved() <= reserved_before
     assert res.reserved_after <= res.reserved_before
     _same(before, _state(model, opt))
     assert torch.equal(rng, torch.cuda.get_rng_state())
+
+
+@pytest.mark.usefixtures("capped")
+@pytest.mark.gpu
+def test_trials_run_capped_at_the_target():
+    # The trials run under the per-process memory fraction at the target (the budget less the floor),
+    # the bound a user caps the training with, not next to a ballast: the rest of the device stays free.
+    import torch
+
+    import gpumem
+
+    total = torch.cuda.mem_get_info()[1]
+    seen = []
+
+    def step(b):
+        seen.append((torch.cuda.get_per_process_memory_fraction(), torch.cuda.mem_get_info()[0]))
+        x = torch.empty(b << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        del x
+
+    res = gpumem.find_batch_size(None, step_fn=step, max_memory=1 << 30, max_batch=4096, verbose=False)
+    assert abs(seen[0][0] * total - res.target_bytes) <= 1 << 20, (seen[0][0] * total, res.target_bytes)
+    assert len({f for f, _ in seen}) == 1
+    # no ballast (it took everything up to the fixture's 8 GiB cap): the rest of the device stays free
+    assert min(free for _, free in seen) > total - (4 << 30)
+    assert 900 <= res.batch_size < 1024, res  # MiB of the 1 GiB budget
+    assert torch.cuda.get_per_process_memory_fraction() == pytest.approx(IN_PROCESS_CAP / total, abs=1e-9)
 
 
 @pytest.mark.usefixtures("capped")

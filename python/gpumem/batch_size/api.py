@@ -1,4 +1,5 @@
-"""``find_batch_size``: arguments checked, the budget and ballast set, the search run, state restored.
+"""``find_batch_size``: arguments checked, the budget and the trials' bound set, the search run, state
+restored.
 """
 from __future__ import annotations
 
@@ -302,7 +303,6 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
             f"no batch fits: the model and other live tensors already use {_fmt(live)}, and the budget less "
             f"the safety margin is {_fmt(target)} (budget {_fmt(budget)}, allocator limit {_fmt(limit)})",
             needed_bytes=live, available_bytes=target)
-    ballast = max(0, limit - target)
 
     hi = max_batch if max_batch is not None else 1 << 16
     if target_batch is not None and searched == "batch":
@@ -348,14 +348,15 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
     try:
         held = _OK
         try:
-            backend.hold(ballast)
+            backend.bound(target, limit)
         except Exception as e:
             if not is_oom_error(e):
                 raise
             held = _OOM
         if comm.exchange(held, 0, 0, 0)[0] != _OK:
-            raise BatchSizeError(f"no batch fits: {_fmt(ballast)} of ballast (the memory outside the target) "
-                                 f"could not be allocated next to {_fmt(live)} of live tensors",
+            raise BatchSizeError(f"no batch fits: {_fmt(limit - target)} of ballast (the memory outside the "
+                                 f"target, for an allocator that may ignore the memory fraction) could not "
+                                 f"be allocated next to {_fmt(live)} of live tensors",
                                  needed_bytes=live, available_bytes=target)
         out = _search(runner.trial, target, min_batch, hi, log=log_trial, resolution=resolution)
         spread: Optional[int] = None
@@ -373,7 +374,7 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
                 out.predicted_peak_bytes = int(out.fixed_bytes + out.bytes_per_sample * v.batch_size)
     finally:
         del runner
-        backend.release()
+        backend.unbound()
         guard.restore()
         backend.after(reserved_before)
     best = comm.min_int(out.batch_size)  # identical on every rank already; belt and braces

@@ -1,9 +1,19 @@
-"""Memory backends: the device the trials run on, its limits, its peaks, and the ballast.
+"""Memory backends: the device the trials run on, its limits, its peaks, and the trials' bound.
 
 :class:`_CudaBackend` reads ``torch.cuda`` statistics (so it works with gpumem's allocator or
-PyTorch's own) and holds the *ballast*, a tensor that takes everything above the target so a trial
-that passes fits with the margin to spare.  Tests substitute a simulated :class:`_Backend` to drive
-the real step runner on a CPU model.
+PyTorch's own) and bounds the trials with the per-process memory fraction at the target, so a trial
+that passes fits under a cap at the budget with the margin to spare.  Tests substitute a simulated
+:class:`_Backend` to drive the real step runner on a CPU model.
+
+Why a cap and not a *ballast* (a tensor taking everything above the target, as before): a trial must
+answer for the process as the user runs it, capped at the budget (``set_per_process_memory_fraction``
+or ``gpumem.set_cap``). gpumem's pool packs differently next to a ballast in its own pages than under a
+cap: on two H200s (DDP, an MLP with AdamW, the last rank's budget 1.5 GiB) a size whose trial passed
+next to the ballast ran out of memory 3 steps later capped at the budget, and the CPU replay of that
+step's trace agrees (it needs 1.0183x its peak live bytes under a limit, the ballast in the pool
+1.0080x). A cap also leaves the rest of the device free, for compute-sanitizer's launches and for
+NCCL's buffers, which the ballast took. An allocator plugged into torch that may ignore the fraction
+(neither gpumem nor PyTorch's own) still gets the ballast.
 """
 from __future__ import annotations
 
@@ -39,11 +49,12 @@ class _Backend:
         """The smallest floor of the measured margin for this allocator (see verify.py)."""
         return FLOOR_MIN_BYTES
 
-    def hold(self, ballast: int) -> None:
-        """Allocate the ballast (held across all trials, released by release())."""
+    def bound(self, target: int, limit: int) -> None:
+        """Hold the allocator to ``target`` bytes for the trials (lifted by unbound()); ``limit`` is
+        what it may use at all (limits())."""
 
-    def release(self) -> None:
-        """Free the ballast."""
+    def unbound(self) -> None:
+        """Lift bound()'s cap: the bound the process had before applies again."""
 
     def begin(self, batch_size: int) -> None:
         """Reset the peak statistics before a trial."""
@@ -52,7 +63,7 @@ class _Backend:
         """Inside the trial's try block: wait for the device (raises late errors)."""
 
     def end(self) -> Tuple[int, Optional[int]]:
-        """(peak allocated, peak reserved) since begin(), the ballast excluded."""
+        """(peak allocated, peak reserved) since begin(), a ballast excluded."""
         raise NotImplementedError
 
     def after(self, reserved_before: int) -> None:
@@ -62,9 +73,9 @@ class _Backend:
 class _CudaBackend(_Backend):
     def __init__(self, device: torch.device):
         self.device = device
-        self._b_alloc = 0
-        self._b_res = 0
-        self._ballast: Optional[torch.Tensor] = None
+        self._fraction_before: Optional[float] = None  # while bound() by the fraction: the one to restore
+        self._ballast: Optional[torch.Tensor] = None  # while bound() by a ballast (other allocators)
+        self._b_alloc = self._b_res = 0  # the ballast's allocated and reserved bytes
 
     def clean(self, collect: bool = True) -> None:
         if collect:  # only needed for reference cycles (a failed step's frames); costs ~0.1 s
@@ -83,11 +94,10 @@ class _CudaBackend(_Backend):
         free, total = torch.cuda.mem_get_info(self.device)
         limit = self.reserved() + free
         frac = None
-        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
-            try:
-                frac = float(torch.cuda.get_per_process_memory_fraction(self.device))
-            except Exception:  # an allocator without the notion
-                frac = None
+        try:
+            frac = float(torch.cuda.get_per_process_memory_fraction(self.device))
+        except Exception:  # an allocator plugged into torch without the notion
+            frac = None
         if frac is not None and 0 < frac < 1:
             limit = min(limit, int(frac * total))
         return int(limit), int(total)
@@ -101,15 +111,36 @@ class _CudaBackend(_Backend):
             return int(conf["page_size"])
         return FLOOR_MIN_BYTES  # PyTorch's allocator, or gpumem's whole segments (not measured)
 
-    def hold(self, ballast: int) -> None:
+    def bound(self, target: int, limit: int) -> None:
+        if self._fraction_honoured():
+            # The fraction the process had (1.0 unless the user capped it) comes back in unbound();
+            # both allocators turn a fraction of bytes / total back into those bytes.
+            total = torch.cuda.mem_get_info(self.device)[1]
+            self._fraction_before = float(torch.cuda.get_per_process_memory_fraction(self.device))
+            torch.cuda.set_per_process_memory_fraction(min(1.0, target / total), self.device)
+            return
+        # Another allocator plugged into torch may ignore the fraction: a ballast tensor then takes
+        # everything between the target and the limit.
         a0, r0 = self.allocated(), self.reserved()
-        if ballast > 0:
-            self._ballast = torch.empty(ballast, dtype=torch.uint8, device=self.device)
+        if limit > target:
+            self._ballast = torch.empty(limit - target, dtype=torch.uint8, device=self.device)
         self._b_alloc, self._b_res = self.allocated() - a0, self.reserved() - r0
 
-    def release(self) -> None:
+    def unbound(self) -> None:
+        if self._fraction_before is not None:
+            torch.cuda.set_per_process_memory_fraction(self._fraction_before, self.device)
+            self._fraction_before = None
         self._ballast = None
         self._b_alloc = self._b_res = 0
+
+    def _fraction_honoured(self) -> bool:
+        """Whether torch's allocator bounds itself by the per-process memory fraction: gpumem and
+        PyTorch's own two do; an allocator plugged in through CUDAPluggableAllocator need not."""
+        from .. import _torch
+
+        if _torch.is_active():
+            return True
+        return torch.cuda.get_allocator_backend() in ("native", "cudaMallocAsync")
 
     def begin(self, batch_size: int) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -140,6 +140,22 @@ def test_verify_pure():
 
     v = verify_mod.verify(flaky, 100, proven, budget=1100, target=1000, bytes_per_sample=9, lo=1)
     assert v.batch_size < 100 and [t.outcome for t in v.trials] == ["oom", "fits"]
+    # under a cap at the target the reserved peak sits at the cap whatever the size: an OOM at the
+    # proven size (needing 60 bytes more than its proof, more than half the floor) steps down, and the allocated peaks decide
+    # (on the GPU, counting the capped reserved peak instead gave up after 4 rounds)
+    oom_once = [True]
+
+    def capped(b):
+        if b == 100 and oom_once.pop():
+            raise bs.results._TrialOOM(100, 960, None)
+        return bs.results._Measurement(9 * b, 1000)
+
+    v = verify_mod.verify(capped, 100, proven, budget=1100, target=1000, bytes_per_sample=9, lo=1, capped=True)
+    assert [t.outcome for t in v.trials] == ["oom", "fits"] and v.spread_bytes == 60
+    assert 9 * v.batch_size + v.spread_bytes <= 1100 - 50
+    with pytest.raises(bs.BatchSizeError, match="could not be verified"):  # the same, counting reserved
+        oom_once.append(True)
+        verify_mod.verify(capped, 100, proven, budget=1100, target=1000, bytes_per_sample=9, lo=1)
     # a non-OOM error propagates
     with pytest.raises(KeyError):
         verify_mod.verify(lambda b: (_ for _ in ()).throw(KeyError("x")), 100, proven, budget=1100, target=1000,

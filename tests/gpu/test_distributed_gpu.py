@@ -131,10 +131,16 @@ def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
     print(json.dumps(results))  # whole, in the captured output of a failure (each search's figures)
     agreed = {row["agreed"] for row in results.values()}
     assert len(agreed) == 1, results
-    locals_ = results[0]["locals_after"]  # each rank alone, in the same state as the agreed search
-    smallest = min(range(len(locals_)), key=lambda r: results[r]["budget"])
-    assert abs(agreed.pop() - locals_[smallest]) <= 1, results
-    assert results[0]["agreed"] < max(locals_), results
+    answer = agreed.pop()
+    smallest = min(results, key=lambda r: results[r]["budget"])
+    # Each rank's own answers, searched alone before and after the agreed search. Within a percent of the
+    # cap, what gpumem's pool fits varies from run to run (pages freed under pressure go back as the
+    # device passes their last use, so the layout follows the device's timing): on two H200s (e2d3c5a)
+    # the last rank's three searches answered 15,563, 15,563 (agreed) and 13,201, and the agreed size ran
+    # under that rank's cap. The agreed size is the smallest rank's own answer in one of its searches.
+    own = (results[0]["locals"][smallest], results[0]["locals_after"][smallest])
+    assert any(abs(answer - o) <= 1 for o in own), results
+    assert answer < max(results[0]["locals"]), results
     assert all(row["fits"] for row in results.values()), results
 
 

@@ -366,7 +366,7 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
                           None)
             v = verify(functools.partial(runner.trial, steps=verify_steps), out.batch_size, proven,
                        budget=int(budget), target=target, bytes_per_sample=out.bytes_per_sample, lo=min_batch,
-                       log=log_trial)
+                       log=log_trial, capped=backend.capped())
             trials += v.trials
             spread = v.spread_bytes
             if v.batch_size != out.batch_size:

@@ -56,6 +56,10 @@ class _Backend:
     def unbound(self) -> None:
         """Lift bound()'s cap: the bound the process had before applies again."""
 
+    def capped(self) -> bool:
+        """Whether bound() capped the allocator (its reserved peaks then sit at the cap, see verify)."""
+        return False
+
     def begin(self, batch_size: int) -> None:
         """Reset the peak statistics before a trial."""
 
@@ -133,6 +137,9 @@ class _CudaBackend(_Backend):
         self._ballast = None
         self._b_alloc = self._b_res = 0
 
+    def capped(self) -> bool:
+        return self._fraction_before is not None
+
     def _fraction_honoured(self) -> bool:
         """Whether torch's allocator bounds itself by the per-process memory fraction: gpumem and
         PyTorch's own two do; an allocator plugged in through CUDAPluggableAllocator need not."""
@@ -143,6 +150,13 @@ class _CudaBackend(_Backend):
         return torch.cuda.get_allocator_backend() in ("native", "cudaMallocAsync")
 
     def begin(self, batch_size: int) -> None:
+        # A fresh process, and the user's run after the search (after() clears them), creates cuBLAS's
+        # workspaces at its first matrix product, in the middle of its first step, between the step's
+        # own blocks; a trial after another found them at the bottom of the pool, where the first trial
+        # put them. Near the cap that placement decides: on two H200s (DDP, a 29 M-parameter MLP with
+        # AdamW, 1.5 GiB) a size passed every trial and verification with the workspaces kept, then
+        # ran out of memory 3 steps later under the same cap in the same process.
+        self._clear_cublas_workspaces()
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def sync(self) -> None:
@@ -157,8 +171,10 @@ class _CudaBackend(_Backend):
         if self.reserved() > reserved_before:
             self.clean()
         if self.reserved() > reserved_before:
-            # cuBLAS workspaces created during the trials live in the allocator's pool
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:
-                clear()
-                self.clean(collect=False)
+            self._clear_cublas_workspaces()  # created during the trials, they live in the allocator's pool
+
+    def _clear_cublas_workspaces(self) -> None:
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+            self.clean(collect=False)

@@ -1,11 +1,11 @@
 """The measured margin and the final verification of an answer.  Torch-free.
 
-A trial passes when its step fits under ``target`` (the ballast holds everything above it), so a
+A trial passes when its step fits under ``target`` (the trials run capped there), so a
 passing size already keeps ``floor = budget - target`` free: room for what no trial can see
 (segment and page rounding of the allocator, a workspace another process would get).  What a trial
 *can* see is how much the peak moves between runs of the same size: algorithm choices, the order in
 which the allocator splits and reuses its segments (reserved minus allocated).  The verification
-runs the answer again, for ``steps`` steps, in the search process and under the same ballast; the
+runs the answer again, for ``steps`` steps, in the search process and under the same bound; the
 spread is the largest difference of its peaks (allocated and reserved) from the proving trial's.
 The answer must keep that spread free below the budget as well; when it does not, the size steps
 down by the spread's worth of samples and is verified again.
@@ -23,7 +23,7 @@ from .results import BatchSizeError, Trial, _Measurement, _TrialOOM
 # Smallest floor, PyTorch's caching allocator: a couple of its large segments (it rounds requests
 # between 1 and 10 MiB up to 20 MiB segments, and a fresh process may split them otherwise than the
 # search's trials did). gpumem's pool rounds to its physical pages (8 MiB by default), and a trial
-# under the ballast already pays that rounding: on an H100 a fresh process repeated the trials'
+# under the bound already pays that rounding: on an H100 a fresh process repeated the trials'
 # allocated peaks to the byte (tests/gpu/test_batch_size_gpu.py's GPT), so its smallest floor is one
 # page (_CudaBackend.floor_min_bytes).
 FLOOR_MIN_BYTES = 32 << 20
@@ -53,9 +53,16 @@ def _as_measurement(m: Any) -> _Measurement:
 
 def verify(measure: Callable[[int], Any], b: int, proven: Optional[Trial], *, budget: int, target: int,
            bytes_per_sample: int, lo: int, log: Optional[Callable[[Trial], None]] = None,
-           rounds: int = 4, clock: Callable[[], float] = time.perf_counter) -> _Verified:
+           rounds: int = 4, capped: bool = False,
+           clock: Callable[[], float] = time.perf_counter) -> _Verified:
     """Run ``b`` again with ``measure`` (the verification's longer trial); step down until the answer
-    keeps the measured spread free below ``budget``.  ``proven`` is the search's passing trial at ``b``."""
+    keeps the measured spread free below ``budget``.  ``proven`` is the search's passing trial at ``b``.
+
+    ``capped``: the trials ran under a cap at ``target`` (the per-process memory fraction). The
+    allocator then keeps what it freed cached up to the cap, so a trial's reserved peak sits at the cap
+    whatever the step needs, and passing under it already proves the reserved bytes fit: the allocated
+    peaks alone measure the spread and what the answer keeps free. Bounded otherwise (a ballast, or
+    a simulated device), the reserved peaks count as well."""
     trials: List[Trial] = []
     ref = proven
     spread = 0
@@ -85,13 +92,15 @@ def verify(measure: Callable[[int], Any], b: int, proven: Optional[Trial], *, bu
         trials.append(tr)
         if log is not None:
             log(tr)
+        reserved = None if capped else m.reserved_bytes
+        ref_reserved = None if capped or ref is None else ref.reserved_bytes
         if ref is not None and ref.peak_bytes is not None:
             spread = max(spread, abs(m.peak_bytes - ref.peak_bytes))
-            if m.reserved_bytes is not None and ref.reserved_bytes is not None:
-                spread = max(spread, abs(m.reserved_bytes - ref.reserved_bytes))
-        high = max(m.reserved_bytes or m.peak_bytes, m.peak_bytes)
-        if ref is not None and ref.reserved_bytes is not None:
-            high = max(high, ref.reserved_bytes)
+            if reserved is not None and ref_reserved is not None:
+                spread = max(spread, abs(reserved - ref_reserved))
+        high = max(reserved or m.peak_bytes, m.peak_bytes)
+        if ref_reserved is not None:
+            high = max(high, ref_reserved)
         if tr.fits and high + spread <= budget - (budget - target) // 2:
             return _Verified(b, spread, m.peak_bytes, m.reserved_bytes, trials)
         # over: keep the spread free on top of the floor

@@ -156,6 +156,16 @@ def test_verify_pure():
     with pytest.raises(bs.BatchSizeError, match="could not be verified"):  # the same, counting reserved
         oom_once.append(True)
         verify_mod.verify(capped, 100, proven, budget=1100, target=1000, bytes_per_sample=9, lo=1)
+    # failures that say nothing of the need (needed = the proof's peak) step down by the floor's worth
+    # of samples, doubled each time: 100 -> 88 -> 65 -> 20 (fits) where a fixed step (88, 77, 66, ...)
+    # would still fail at the fourth round
+    def fails_above_60(b):
+        if b > 60:
+            raise bs.results._TrialOOM(b, 900, None)
+        return bs.results._Measurement(9 * b, 9 * b)
+
+    v = verify_mod.verify(fails_above_60, 100, proven, budget=1100, target=1000, bytes_per_sample=9, lo=1)
+    assert [t.batch_size for t in v.trials] == [100, 88, 65, 20] and v.batch_size == 20
     # a non-OOM error propagates
     with pytest.raises(KeyError):
         verify_mod.verify(lambda b: (_ for _ in ()).throw(KeyError("x")), 100, proven, budget=1100, target=1000,

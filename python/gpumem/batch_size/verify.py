@@ -66,6 +66,7 @@ def verify(measure: Callable[[int], Any], b: int, proven: Optional[Trial], *, bu
     trials: List[Trial] = []
     ref = proven
     spread = 0
+    ooms = 0
     for _ in range(rounds):
         t0 = clock()
         try:
@@ -79,11 +80,16 @@ def verify(measure: Callable[[int], Any], b: int, proven: Optional[Trial], *, bu
             if log is not None:
                 log(tr)
             # the same size failed where it passed before: that is a spread of at least what it needed
-            # beyond the target; step down by it (at least one sample)
+            # beyond the target; step down by it, and by at least the floor's worth of samples, doubled
+            # with each failure: an out-of-memory error early in a step says little of what the whole
+            # step needs, and near the cap gpumem's pool does not fit a size every time (on two H200s,
+            # DDP with uneven budgets, a size that passed every trial under a cap failed 3 runs of 3 under
+            # the same cap after the search)
+            ooms += 1
             need = getattr(e, "needed_bytes", None) or 0
             base = ref.peak_bytes if ref is not None and ref.peak_bytes is not None else target
             spread = max(spread, need - base, 0)
-            b = _step_down(b, max(spread, budget - target), bytes_per_sample, lo)
+            b = _step_down(b, max(spread, (budget - target) << (ooms - 1)), bytes_per_sample, lo)
             ref = None
             continue
         secs = m.seconds if m.seconds is not None else clock() - t0

@@ -114,7 +114,9 @@ def uneven(rank, world):
         opt.zero_grad(set_to_none=True)
 
     budget = 3 * GiB // (rank + 1)
-    kw = dict(model=model, step_fn=step, optimizer=opt, max_memory=budget, verbose=False)
+    # every rank's trial lines on stderr (verbose alone prints rank 0's), for a failure to show them
+    kw = dict(model=model, step_fn=step, optimizer=opt, max_memory=budget, verbose=True,
+              log=lambda line: print(f"[rank {rank}] {line}", file=sys.stderr, flush=True))
     # Each rank's own answer before and after the agreed search: the one after is taken in the same
     # state of the process as the agreed one (two ranks on two H200s: the first search of a process
     # answered 13,578 on the last rank, the agreed search after it 15,857).

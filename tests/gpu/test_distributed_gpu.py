@@ -11,6 +11,7 @@ Scripts (each a torchrun program printing ``RESULT {json}`` per rank):
 """
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -41,6 +42,12 @@ def _torchrun(script_args, timeout, nproc=None, **env):
     assert not timed_out, f"torchrun still running after {timeout} s (a hang):\n{out[-3000:]}\n{err[-3000:]}"
     results = {row["rank"]: row for row in _run.read_results(out)}
     return results, out, err, proc.returncode
+
+
+def _raised(err):
+    """The lines of the ranks' stderr that name an exception (a traceback's last line), for a failure's
+    message: the tail alone can end in torchrun's own report, cutting the rank's error off."""
+    return [line for line in err.splitlines() if re.search(r"\b\w*(Error|Exception)\b: ", line)][-6:]
 
 
 def _need_two():
@@ -127,7 +134,7 @@ def test_find_batch_size_under_fsdp2_same_answer_inside_budget():
 def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
     _need_two()
     results, out, err, rc = _torchrun([os.path.join(HERE, "dist_batch_size.py"), "uneven"], timeout=420)
-    assert rc == 0, (out[-3000:], err[-3000:])
+    assert rc == 0, (_raised(err), out[-3000:], err[-3000:])
     print(json.dumps(results))  # whole, in the captured output of a failure (each search's figures)
     agreed = {row["agreed"] for row in results.values()}
     assert len(agreed) == 1, results

@@ -65,7 +65,8 @@ def main():
     agreed = gpumem.find_batch_size(**kw)
     say("agreed", agreed.batch_size)
 
-    # the agreed size runs on this rank inside the same budget (the ballast stands in for the rest)
+    # the agreed size runs on this rank inside the same budget (a tensor holding the rest of the device
+    # stands in for other processes' memory)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     hog = torch.empty(max(0, free + torch.cuda.memory_reserved() - budget), dtype=torch.uint8, device="cuda")

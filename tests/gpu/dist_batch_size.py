@@ -63,7 +63,7 @@ def peak_in_budget(step, batch, budget, detail=None):
 
 def outside_bytes():
     """Device memory in use that torch's allocator does not hold (CUDA context, NCCL, loaded kernels):
-    what a search's ballast cannot see growing while it runs."""
+    what a search's cap does not count (the ballast of earlier versions could not see it grow)."""
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return total - free - torch.cuda.memory_reserved()

@@ -5,7 +5,7 @@ and the sequence-length search.
 
     pytest -m gpu tests/gpu/test_batch_size_tools_gpu.py -q
 
-The process is capped at CAP bytes (the finder's ballast stops at the cap) and each search has a
+The process is capped at CAP bytes (a search's budget is at most the cap) and each search has a
 smaller budget still, so the tests do not depend on the GPU's size.
 """
 import os

@@ -14,13 +14,16 @@ How it works
 ------------
 A *trial* at batch size ``B`` runs ``steps`` real steps (default 3: forward, loss,
 backward, optimizer step including the creation of the optimizer state) starting
-from an emptied allocator cache, exactly as a fresh training process would.  While
-it runs, a *ballast* tensor holds ``limit - target`` bytes, where ``limit`` is what
-the allocator may use at all (free device memory plus what torch already reserved,
-capped by ``torch.cuda.set_per_process_memory_fraction``) and ``target`` is the
-budget (``max_memory``) less the safety ``margin``.  A trial passes when no
-out-of-memory error happened, so a pass proves the step fits with ``margin`` of the
-budget to spare, fragmentation, workspaces and optimizer-state creation included.
+from an emptied allocator cache and without cuBLAS's workspaces, exactly as a fresh
+training process would.  While it runs, the process is capped at ``target`` bytes
+(``torch.cuda.set_per_process_memory_fraction``; the fraction it had comes back
+afterwards), the budget (``max_memory``, at most the allocator's limit: free device
+memory plus what torch already reserved, capped by the fraction) less the safety
+``margin``.  A trial passes when no out-of-memory error happened, so a pass proves
+the step fits under a cap at the budget with ``margin`` to spare, fragmentation,
+workspaces and optimizer-state creation included.  (An allocator plugged into torch
+other than gpumem may ignore the fraction: there a *ballast* tensor takes
+``limit - target`` bytes instead.)
 
 The search (:func:`_search`, pure and torch-free in its logic) measures peaks at a
 few small batch sizes, fits ``peak = fixed + per_sample * B``, predicts the largest
@@ -38,7 +41,7 @@ before the call.
 Modules: ``api`` (:func:`find_batch_size`, argument checks, the budget), ``search`` (the fit, the
 search, the accumulation plan; torch-free), ``verify`` (the measured margin and the final
 verification; torch-free), ``trial`` (the step runner, default input and loss, generation),
-``backend`` (memory backends and the ballast), ``state`` (the state guard), ``distributed`` (agreement
+``backend`` (memory backends and the trials' cap), ``state`` (the state guard), ``distributed`` (agreement
 across ranks), ``results`` (what it returns and raises), ``lengths`` (sequence length: the largest
 length, the token frontier), ``decorator`` (the OOM-retry decorator), ``lightning`` (the Lightning
 callback), ``hf`` (Hugging Face ``Trainer``).

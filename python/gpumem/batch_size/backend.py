@@ -7,13 +7,13 @@ that passes fits under a cap at the budget with the margin to spare.  Tests subs
 
 Why a cap and not a *ballast* (a tensor taking everything above the target, as before): a trial must
 answer for the process as the user runs it, capped at the budget (``set_per_process_memory_fraction``
-or ``gpumem.set_cap``). gpumem's pool packs differently next to a ballast in its own pages than under a
-cap: on two H200s (DDP, an MLP with AdamW, the last rank's budget 1.5 GiB) a size whose trial passed
-next to the ballast ran out of memory 3 steps later capped at the budget, and the CPU replay of that
-step's trace agrees (it needs 1.0183x its peak live bytes under a limit, the ballast in the pool
-1.0080x). A cap also leaves the rest of the device free, for compute-sanitizer's launches and for
-NCCL's buffers, which the ballast took. An allocator plugged into torch that may ignore the fraction
-(neither gpumem nor PyTorch's own) still gets the ballast.
+or ``gpumem.set_cap``), and gpumem's pool packs differently next to a ballast in its own pages than
+under a cap. On two H200s (DDP, a 29 M-parameter MLP with AdamW, the last rank's budget 1.5 GiB) a
+size whose trials passed next to the ballast, with 1.008x its peak allocated bytes of room, ran out of
+memory 3 steps later capped at the budget (1.013x). The CPU replay of that step's trace agrees: under a
+limit it needs 1.018x its peak live bytes. A cap also leaves the rest of the device free, for
+compute-sanitizer's launches and for NCCL's buffers, which the ballast took. An allocator plugged into
+torch that may ignore the fraction (neither gpumem nor PyTorch's own) still gets the ballast.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ the datamodule's), and the same preparation and restoration of the trainer aroun
 checkpoint, loggers, callbacks, limits and loop state, through ``lightning.pytorch.tuner.
 batch_size_scaling``'s own helpers).  Only the search differs: a trial is Lightning's loop run for
 ``steps_per_trial`` steps at a size, and gpumem's search (:func:`gpumem.find_batch_size` with that
-loop as ``step_fn``: the ballast, the fitted line, the measured margin, the verification) picks the
-sizes, instead of doubling.  ``target_batch`` also sets ``trainer.accumulate_grad_batches``.
+loop as ``step_fn``: the cap at the target, the fitted line, the measured margin, the verification)
+picks the sizes, instead of doubling.  ``target_batch`` also sets ``trainer.accumulate_grad_batches``.
 
 Imports Lightning (``lightning`` or the older ``pytorch_lightning``) when first used.
 """

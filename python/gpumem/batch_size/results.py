@@ -23,7 +23,7 @@ class Trial:
 
     ``outcome`` is ``"fits"``, ``"oom"`` (an out-of-memory error) or ``"over"`` (it
     ran, but its peak exceeded the target).  ``peak_bytes`` is the peak of allocated
-    memory during the trial (the ballast excluded; for an OOM, a lower bound of what
+    memory during the trial (a ballast excluded, where one is used; for an OOM, a lower bound of what
     was needed, when known); ``reserved_bytes`` the peak reserved by the allocator.
     """
 

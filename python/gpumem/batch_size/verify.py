@@ -6,7 +6,8 @@ passing size already keeps ``floor = budget - target`` free: room for what no tr
 *can* see is how much the peak moves between runs of the same size: algorithm choices, the order in
 which the allocator splits and reuses its segments (reserved minus allocated).  The verification
 runs the answer again, for ``steps`` steps, in the search process and under the same bound; the
-spread is the largest difference of its peaks (allocated and reserved) from the proving trial's.
+spread is the largest difference of its peaks (allocated; reserved too where the trials were not
+capped, see verify()) from the proving trial's.
 The answer must keep that spread free below the budget as well; when it does not, the size steps
 down by the spread's worth of samples and is verified again.
 """

@@ -11,6 +11,11 @@ generation, batch 1250, 64 new tokens, 1 step). The process runs PyTorch's nativ
 (uncapped), so the trace is the requests and their order, not any allocator's placement. The traces
 in bench/traces/ were recorded this way on one H100 (torch 2.11.0+cu130).
 
+``ddp_mlp.trace.gz`` is not from this script: the last rank's steps of tests/gpu/dist_batch_size.py's
+uneven run (a 29 M-parameter MLP under DDP with AdamW and bf16 autocast: one step at batch 64, then
+3 at 15,857), its memory history turned into the trace by ``snapshot_to_trace`` (PyTorch's allocator,
+two H200s, torch 2.11.0+cu130, 2026-11-27; the recording script is not in the repository).
+
 allocfree's requests depend on nothing but its seeded random numbers, so its trace is written from
 them (pressure_workloads.allocfree_plan), on any machine, without torch: the same sizes (rounded to
 512 bytes, as PyTorch's allocator records them) and frees, in the order the workload makes them, and

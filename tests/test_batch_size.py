@@ -205,6 +205,16 @@ def test_nothing_fits():
         _search(m2, target, 1, 100)
 
 
+def test_no_line_to_aim_with_bisects():
+    # The peak does not grow with the size up to 30,000 (every probe measures the same bytes), then
+    # by 64 MiB a sample: the probes' growth by 4x runs out of memory at 32,768 with no line through
+    # the sizes that fitted. The search bisects from there instead of walking down one size at a time
+    # (32,767, 32,766, ...: it gave up after 40 trials that way).
+    target = 8 * GiB
+    out, m = check(lambda b: 750 * MiB + max(0, b - 30000) * 64 * MiB, target, max_trials=30)
+    assert 30000 < out.batch_size < 32768
+
+
 def test_everything_fits_up_to_the_bound():
     target = 80 * GiB
     out, m = check(lambda b: GiB + b * MiB, target, hi=64, max_trials=5)

@@ -196,6 +196,11 @@ def _search(measure: Callable[[int], Any], target: int, lo: int = 1, hi: int = 1
             guess = lo_ok + step * (1 << past_line)
         elif optimistic <= lo_ok:
             break  # the allocated-bytes line already exceeds the target at lo_ok + 1
+        elif fit is None and hi_bad is not None:
+            # no line to aim with (the peaks measured so far do not grow with the size: a flat start,
+            # or noise in them): bisect. Aiming at the bound instead walked down from a failure one
+            # size at a time, until the search gave up after max_trials.
+            guess = (lo_ok + hi_bad) // 2
         elif phase == "prove" or (fails_in_row and not fit_near):
             # the first guess assumes OVERHEAD; each failure since doubles it, until a trial near
             # the limit fits (never below the middle of the bracket)

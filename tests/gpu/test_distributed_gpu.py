@@ -143,9 +143,9 @@ def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
     # Each rank's own answers, searched alone before and after the agreed search. Within a percent of the
     # cap, what gpumem's pool fits varies from run to run (not explained yet: one candidate is that pages
     # freed under pressure go back as the device passes their last use, at the device's pace): on two
-    # H200s (3bdad27)
-    # the last rank's three searches answered 15,563, 15,563 (agreed) and 13,201, and the agreed size ran
-    # under that rank's cap. The agreed size is the smallest rank's own answer in one of its searches.
+    # H200s (3bdad27) the last rank's three searches answered 15,563, 15,563 (agreed) and 13,201, and the
+    # agreed size ran under that rank's cap. The agreed size is the smallest rank's own answer in one of
+    # its searches.
     own = (results[0]["locals"][smallest], results[0]["locals_after"][smallest])
     assert any(abs(answer - o) <= 1 for o in own), results
     assert answer < max(results[0]["locals"]), results

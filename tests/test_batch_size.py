@@ -542,15 +542,35 @@ def _dist_worker(rank, world, port, scenario, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        per_sample = [10 * MiB, 13 * MiB][rank]  # rank 1 runs out of memory first
-        backend = SimBackend(lambda b: 100 * MiB + b * per_sample, limit=1000 * MiB)
+        kw = {}
+        if scenario == "uneven":
+            # Rank r has a budget of 2000 MiB / (r + 1) and the same step; the verification's first
+            # run of the answer runs out of memory on the last rank (a size that passed the search
+            # does not fit every time near the cap), so every rank must step down alike.
+            limit = 2000 * MiB // (rank + 1)
+            backend = sim_memory.SimBackend(lambda b: 100 * MiB + b * 10 * MiB, limit=limit,
+                                            oom_request="64.00 MiB")
+            spiked = []
+
+            def spike(b, n):
+                # the first trial to run a size a second time (the verification): out of memory on the
+                # last rank (n: the trials begun so far; a trial asks for its peak more than once)
+                if rank == 1 and not spiked and backend.begun.count(b) == 2:
+                    spiked.append(n)
+                return 500 * MiB if spiked and spiked[0] == n else 0
+
+            backend.jitter = spike
+            kw = dict(verify_steps=2, margin=None, max_memory=limit)
+        else:
+            per_sample = [10 * MiB, 13 * MiB][rank]  # rank 1 runs out of memory first
+            backend = SimBackend(lambda b: 100 * MiB + b * per_sample, limit=1000 * MiB)
 
         def step(b):
             if scenario == "error" and rank == 1 and b > 8:
                 raise ValueError("rank 1 broke")
 
         try:
-            res = run_find(None, backend, shape=None, step_fn=step, steps=1)
+            res = run_find(None, backend, shape=None, step_fn=step, steps=1, **kw)
             results[rank] = ("ok", res.batch_size, res.world_size)
         except Exception as e:  # noqa: BLE001
             results[rank] = ("error", type(e).__name__, str(e))
@@ -558,7 +578,7 @@ def _dist_worker(rank, world, port, scenario, results):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("scenario", ["oom", "error"])
+@pytest.mark.parametrize("scenario", ["oom", "error", "uneven"])
 def test_distributed_agreement_gloo(scenario):
     import torch.multiprocessing as mp
 
@@ -579,6 +599,12 @@ def test_distributed_agreement_gloo(scenario):
     if scenario == "oom":
         expect = (1000 * MiB - 100 * MiB) // (13 * MiB)  # the minimum over the ranks
         assert res[0] == ("ok", expect, 2) and res[1] == ("ok", expect, 2), res
+    elif scenario == "uneven":
+        # One answer on both ranks, below what the last rank's search proved (its verification ran
+        # out of memory), and inside its budget: the ranks stepped down alike, each from the budget
+        # the common target came from (the larger rank's own budget stepped it below size 1).
+        assert res[0][0] == "ok" and res[0] == res[1], res
+        assert 2 <= res[1][1] < (1000 * MiB - 100 * MiB) // (10 * MiB), res
     else:
         assert res[1][:2] == ("error", "ValueError"), res
         assert res[0][:2] == ("error", "RuntimeError") and "another rank" in res[0][2], res

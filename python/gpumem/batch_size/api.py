@@ -364,9 +364,15 @@ def _find(model: Optional[nn.Module], shape: Optional[Sequence[int]], *, mode: s
         if verify_steps > 0:
             proven = next((t for t in reversed(out.trials) if t.fits and t.batch_size == out.batch_size),
                           None)
+            # Every rank verifies alike: the trials' outcomes and peaks are exchanged, so the ranks'
+            # steps down agree only when each measures them against the same budget, the smallest
+            # (the one the common target came from). Against its own, a rank with more memory stepped
+            # down by its whole surplus after one out-of-memory run: below size 1, while the others
+            # went on (two H100s, DDP with uneven budgets).
             v = verify(functools.partial(runner.trial, steps=verify_steps), out.batch_size, proven,
-                       budget=int(budget), target=target, bytes_per_sample=out.bytes_per_sample, lo=min_batch,
-                       log=log_trial, capped=backend.capped())
+                       budget=comm.min_int(int(budget)), target=target,
+                       bytes_per_sample=out.bytes_per_sample, lo=min_batch, log=log_trial,
+                       capped=backend.capped())
             trials += v.trials
             spread = v.spread_bytes
             if v.batch_size != out.batch_size:

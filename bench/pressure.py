@@ -74,7 +74,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "pressure_workloads.py")
 sys.path.insert(0, HERE)
 from pressure_workloads import (  # noqa: E402  (imports no torch)
-    ALLOCATORS, CONTEXT_BYTES, WORKLOADS, release_slack_arg,
+    ALLOCATORS, CONTEXT_BYTES, WORKLOADS, is_allocator, release_slack_arg,
 )
 
 TORCH_ALLOCATORS = ("native", "expandable", "async")
@@ -514,7 +514,8 @@ def parse_args(argv=None):
     ap.add_argument("--allocators", default=None,
                     help=f"comma-separated, from {','.join(ALLOCATORS)} (default: all; rmm where it imports). "
                          "gpumem: GPUMEM_CONF=release:lazy,stitch:true (the defaults); gpumem_nostitch: "
-                         "release:lazy,stitch:false; gpumem_hw: release:high_water,stitch:false")
+                         "release:lazy,stitch:false; gpumem_hw: release:high_water,stitch:false; any of "
+                         "the three with GPUMEM_CONF keys added after '+' (gpumem+ends_by_page:true)")
     ap.add_argument("--quick", action="store_true", help="half the steps, a 1%% tolerance")
     ap.add_argument("--tolerance", type=float, default=None, help="search resolution in units of P (0.0025)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -555,7 +556,7 @@ def parse_args(argv=None):
     else:
         args.allocators = [a for a in args.allocators.split(",") if a]
         args.rmm_auto = False
-        bad = [a for a in args.allocators if a not in ALLOCATORS]
+        bad = [a for a in args.allocators if not is_allocator(a)]
         if bad or not args.allocators:
             ap.error(f"unknown allocator(s) {bad}; choose from {','.join(ALLOCATORS)}")
     if args.tolerance is None:

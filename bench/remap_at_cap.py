@@ -46,10 +46,10 @@ HERE = Path(__file__).resolve().parent
 
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
             passes: int = 1, bound: str = "capacity", release_slack: float | None = None,
-            elsewhere_freed_after: int | None = None, stitch: bool = True) -> dict:
+            elsewhere_freed_after: int | None = None, stitch: bool = True, ends_by_page: bool = False) -> dict:
     from gpumem.replay import bound_keywords, min_capacity, replay
 
-    policy = dict(release=release, release_slack=release_slack, stitch=stitch)
+    policy = dict(release=release, release_slack=release_slack, stitch=stitch, ends_by_page=ends_by_page)
     uncapped = replay(trace, device_lag=device_lag, passes=passes, **policy)
     peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, release_slack=release_slack,
@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stitch", dest="stitch", action="store_false",
                     help="the pool's stitch option off (GPUMEM_CONF stitch:false), as in the README's "
                          "figures of this bench measured before 2026-11-27")
+    ap.add_argument("--ends-by-page", action="store_true",
+                    help="the pool's ends_by_page option on (GPUMEM_CONF ends_by_page:true): under a bound "
+                         "that is not roomy, a block's end pages mapped one by one")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")
     ap.add_argument("--bound", default="capacity", choices=("capacity", "limit", "device"),
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
             try:
                 row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound,
                               release_slack=args.release_slack, elsewhere_freed_after=args.elsewhere_freed_after,
-                              stitch=args.stitch)
+                              stitch=args.stitch, ends_by_page=args.ends_by_page)
             except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
                 print(f"{trace}: {e}", file=sys.stderr)
                 break

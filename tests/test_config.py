@@ -8,7 +8,8 @@ def test_defaults():
     assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
                                 "release": "lazy", "release_slack": 0.005,
                                 "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True,
-                                "stitch": True, "stitch_slack": 0.01}
+                                "stitch": True, "stitch_slack": 0.01,
+                                "ends_by_page": False}
 
 
 @pytest.mark.parametrize(
@@ -29,6 +30,8 @@ def test_defaults():
         ("stitch:0", "stitch", False),
         ("release_slack:0", "release_slack", 0.0),
         ("stitch_slack:0.02", "stitch_slack", 0.02),
+        ("ends_by_page:true", "ends_by_page", True),
+        ("ends_by_page:off", "ends_by_page", False),
         ("page_size:16MiB", "page_size", 16 << 20),
         (" Upstream : VMM , , release:high_water", "upstream", "vmm"),
     ],
@@ -40,7 +43,8 @@ def test_accepted(text, key, value):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, stitch_slack"),
+        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, stitch_slack, ends_by_page"),
+        ("ends_by_page:sometimes", "ends_by_page='sometimes' is not valid; accepted: true, false"),
         ("release_slack:2", "release_slack='2' is not valid"),
         ("page_size:3MiB", "page_size='3MiB' is not valid; accepted: a multiple of 2MiB"),
         ("upstream:cuda", "upstream='cuda' is not valid; accepted: auto, vmm, segments"),

@@ -360,3 +360,49 @@ def test_randomized_near_the_cap_single_pages_keep_every_invariant(release, seed
     pool.trim()
     m.check()
     assert device.used_bytes == 0
+
+
+@pytest.mark.parametrize("option", [False, True])
+@pytest.mark.parametrize("bound", [None, "limit", "cap"])
+def test_ends_by_page_under_a_bound_a_blocks_ends_go_page_by_page(bound, option):
+    """Two 9 MiB blocks side by side in a large arena (8 MiB groups of 2 MiB pages): the first covers
+    group 0 and touches one page of group 1, which it shares with the second. With the option
+    ends_by_page and under a cap or a limit that is not roomy, group 1 is mapped page by page, so once
+    the second block is freed its pages there go back to the device and the first block pins 10 MiB;
+    otherwise (no bound, or the option off) whole groups are mapped (a quarter of the driver's units)
+    and the first block pins 16 MiB."""
+    device = _C.SimulatedDevice("vmm", 1 * GiB)
+    pool = _C.Pool(device, page_size=8 * MiB, cap=64 * MiB if bound == "cap" else 0, ends_by_page=option)
+    if bound == "limit":
+        pool.set_limit(64 * MiB)
+    a = pool.allocate(9 * MiB)
+    b = pool.allocate(9 * MiB)
+    assert b == a + 9 * MiB
+    unit = device.physical_unit_at  # (physical allocation, offset in it)
+    assert unit(a)[0] == unit(a + 6 * MiB)[0]  # group 0, covered whole: one group unit either way
+    by_page = option and bound is not None
+    assert (unit(a + 8 * MiB)[0] != unit(a + 10 * MiB)[0]) == by_page
+    pool.free(b)
+    pool.trim()
+    assert pool.reserved_bytes == (10 * MiB if by_page else 16 * MiB)
+    pool.free(a)
+    pool.trim()
+    pool.validate()
+    assert pool.reserved_bytes == 0 and device.used_bytes == 0
+
+
+@pytest.mark.parametrize("option, fits", [(False, False), (True, True)])
+def test_a_recorded_ddp_step_at_a_limit_of_1_01x_its_peak_live_bytes(option, fits):
+    """bench/traces/ddp_mlp: the last rank's step of tests/gpu/dist_batch_size.py's uneven DDP run (a
+    29 M-parameter MLP with AdamW, 124 MiB activations), device 100 operations behind. Mapping whole
+    8 MiB groups at the blocks' ends, it needs 1.0183x its peak live bytes under a limit; with
+    ends_by_page 1.0056x."""
+    from pathlib import Path
+
+    import gpumem
+
+    trace = Path(__file__).resolve().parents[1] / "bench" / "traces" / "ddp_mlp.trace.gz"
+    peak = gpumem.replay(trace).peak_live_bytes
+    at_limit = gpumem.replay(trace, limit=int(1.01 * peak), device_lag=100, ends_by_page=option)
+    assert (at_limit.ooms == 0) == fits, at_limit.first_oom
+    assert at_limit.peak_reserved_bytes <= int(1.01 * peak)

@@ -22,6 +22,7 @@ struct Config {
   bool ipc = true;
   bool stitch = PoolOptions().stitch;  // see PoolOptions (the main pools only; graph pools and MemPools never)
   double stitch_slack = PoolOptions().stitch_slack;  // see PoolOptions
+  bool ends_by_page = PoolOptions().ends_by_page;    // see PoolOptions
 };
 
 // @throws InvalidArgument naming the key and the accepted values.

@@ -114,6 +114,12 @@ struct PoolOptions {
   // high water, stitched past it. Higher: fewer stitched units (fewer driver calls and waits in steady
   // steps where a stitched position's unit is busy elsewhere), reserved further above the live bytes.
   double stitch_slack = 0.01;
+  // Paged upstreams, under a cap or a limit that is not roomy (bound_is_roomy): a block's end groups,
+  // which it shares with its neighbours, are mapped page by page, the groups it covers whole as group
+  // units, so that once a neighbour is freed its pages there can go back to the device one by one
+  // instead of staying pinned in a group the block still holds (pool_map.cpp, ensure_mapped). Fewer
+  // bytes pinned near the cap; more driver units to map and unmap (README, "ends_by_page").
+  bool ends_by_page = false;
   int device = 0;             // only used in messages and to reject frees meant for another device
   // Shared with the other pools of a device, whose reserved bytes count against one limit
   // (set_limit); null: the pool has a budget of its own.

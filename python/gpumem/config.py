@@ -22,6 +22,10 @@ Keys (comma separated, ``key:value`` or ``key=value``):
 ``stitch_slack``  vmm, stitch: how far (fraction) reserved may grow past the live high water with new
                memory before new pages are stitched (0.01). Higher: fewer unmaps and waits in steady
                steps where stitched memory is in use elsewhere, reserved further above live
+``ends_by_page``  vmm: ``false`` (default) or ``true``: under a cap or a memory fraction that is not roomy,
+               a block's end pages (shared with its neighbours) are mapped page by page rather than in
+               whole 8 MiB groups, so a freed neighbour's pages there can go back: fits tighter caps,
+               costs more driver calls under them
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """
@@ -46,6 +50,7 @@ class Config(TypedDict):
     ipc: bool  # vmm: pages shareable with other processes (POSIX file descriptor handles)
     stitch: bool  # vmm: new pages past the live high water backed by free cached pages' memory
     stitch_slack: float  # vmm, stitch: how far reserved may grow past the live high water first (0.01)
+    ends_by_page: bool  # vmm, bounded: a block's end groups mapped page by page (false)
 
 
 def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:

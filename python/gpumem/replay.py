@@ -105,6 +105,7 @@ def replay(
     elsewhere_freed_after: Optional[int] = None,
     stitch: bool = True,
     stitch_slack: Optional[float] = None,
+    ends_by_page: bool = False,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -124,7 +125,9 @@ def replay(
     the pool's option of that name (``GPUMEM_CONF`` ``stitch``, on by default: new pages past the live
     high water backed by free blocks' memory, while no cap or limit is set), ``stitch_slack`` how far
     (fraction) reserved grows past the live high water before it stitches (``GPUMEM_CONF``
-    ``stitch_slack``; None: the pool's default, 0.01).
+    ``stitch_slack``; None: the pool's default, 0.01). ``ends_by_page`` is the pool's option of that name
+    (``GPUMEM_CONF`` ``ends_by_page``, off by default: under a limit that is not roomy, a block's end
+    pages are mapped one by one rather than in whole groups).
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
@@ -149,7 +152,8 @@ def replay(
     options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
     if stitch_slack is not None:
         options["stitch_slack"] = stitch_slack
-    pool = _C.Pool(device, release=release, page_size=page_size, stitch=bool(stitch), **options)
+    pool = _C.Pool(device, release=release, page_size=page_size, stitch=bool(stitch),
+                   ends_by_page=bool(ends_by_page), **options)
     if limit is not None:
         pool.set_limit(limit)
     clock = device if device_lag else None

@@ -318,17 +318,19 @@ def test_segment_observer_spans_are_the_snapshot_and_go_before_their_memory(kind
     assert spans == {} and pool.reserved_bytes == 0
 
 
+@pytest.mark.parametrize("ends_by_page", [False, True])
 @pytest.mark.parametrize("release", ["lazy", "high_water"])
 @pytest.mark.parametrize("seed", [11, 12, 13])
-def test_randomized_near_the_cap_single_pages_keep_every_invariant(release, seed):
+def test_randomized_near_the_cap_single_pages_keep_every_invariant(release, seed, ends_by_page):
     """A large arena with 8 MiB groups of 2 MiB pages under a tight cap: blocks of 1-40 MiB allocated
     and freed at random on two streams, trims and cap changes, with validate() and the model after
     every operation. Near the cap the pool maps single pages (seen as large-pool reserved bytes that
     are not whole groups); the simulated device refuses any unmap of part of a physical allocation,
-    so every release must give back whole units; at the end the device is empty."""
+    so every release must give back whole units; at the end the device is empty. With the option
+    ends_by_page the blocks' end groups go page by page as well."""
     rng = random.Random(seed)
     device = _C.SimulatedDevice("vmm", 1 * GiB)
-    pool = _C.Pool(device, release=release, page_size=8 * MiB, cap=200 * MiB)
+    pool = _C.Pool(device, release=release, page_size=8 * MiB, cap=200 * MiB, ends_by_page=ends_by_page)
     m = Model(pool, device)
     single_pages_seen = ooms = 0
     for step in range(1500):

@@ -40,15 +40,19 @@ class Harness {
     // maps no more than the pages a block touches when whole groups would not fit.
     o.large_page_bytes = (b0 & 32) ? 4 * page_ : page_;
     o.stitch = (b0 & 64) != 0;  // Bit 6: free units stitched under new blocks, parked positions (pool_alias.cpp)
+    // b1's top bit (capacity takes b1 % 127): under a bound that is not roomy, a block's end groups
+    // mapped page by page (option ends_by_page, pool_map.cpp)
+    o.ends_by_page = (b1 & 128) != 0;
     pool_ = std::make_unique<Pool>(dev_, o);
     pool_->add_oom_callback([this] { on_oom(); });
     dev_->spans = &spans_;
     pool_->set_segment_observer([this](SegmentEvent e, std::uintptr_t a, std::size_t n, StreamId) { on_span(e, a, n); });
     describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d stitch=%d "
-             "lag=%zu",
+             "lag=%zu ends_by_page=%d",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
              release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, o.large_page_bytes,
-             capacity_, cap_, int(dev_->auto_complete()), int(o.stitch), std::size_t(dev_->lag()));
+             capacity_, cap_, int(dev_->auto_complete()), int(o.stitch), std::size_t(dev_->lag()),
+             int(o.ends_by_page));
     check_state();
   }
 

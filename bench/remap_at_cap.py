@@ -46,7 +46,8 @@ HERE = Path(__file__).resolve().parent
 
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
             passes: int = 1, bound: str = "capacity", release_slack: float | None = None,
-            elsewhere_freed_after: int | None = None, stitch: bool = True, ends_by_page: bool = False) -> dict:
+            elsewhere_freed_after: int | None = None, stitch: bool = True,
+            ends_by_page: bool = False) -> dict:
     from gpumem.replay import bound_keywords, min_capacity, replay
 
     policy = dict(release=release, release_slack=release_slack, stitch=stitch, ends_by_page=ends_by_page)

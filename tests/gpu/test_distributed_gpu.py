@@ -50,6 +50,16 @@ def _raised(err):
     return [line for line in err.splitlines() if re.search(r"\b\w*(Error|Exception)\b: ", line)][-6:]
 
 
+def _must_succeed(rc, out, err):
+    """Fails the test, with the ranks' exception lines first and the tails of both streams whole, when
+    torchrun exited with an error (an assertion's message would be cut short: at d5912df the one
+    exception line that said why ended mid-number)."""
+    if rc != 0:
+        pytest.fail(f"torchrun exited with {rc}\n" + "\n".join(_raised(err))
+                    + f"\n--- stdout (tail) ---\n{out[-3000:]}\n--- stderr (tail) ---\n{err[-8000:]}",
+                    pytrace=False)
+
+
 def _need_two():
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs (one rank per GPU): run on a machine with several GPUs")
@@ -66,7 +76,7 @@ def test_fsdp2_training_losses_equal_native_and_reserved_flat(tmp_path):
         out_file = tmp_path / f"fsdp_{allocator}.json"
         args = [bench, "--allocator", allocator, "--out", out_file, *common]
         _, out, err, rc = _torchrun(args, timeout=300)
-        assert rc == 0, (out[-3000:], err[-3000:])
+        _must_succeed(rc, out, err)
         runs[allocator] = out_file
     cmd = [sys.executable, bench, "--compare", str(runs["native"]), str(runs["gpumem"])]
     r = _run.start(cmd, os.environ.copy())
@@ -93,7 +103,7 @@ def test_nccl_collectives_on_gpumem_memory_with_register_hook(hook, conf, in_eff
     script = os.path.join(HERE, "dist_nccl_register.py")
     env = dict(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=hook, GPUMEM_CONF=conf)
     results, out, err, rc = _torchrun([script, "gpumem"], timeout=240, **env)
-    assert rc == 0, (out[-3000:], err[-3000:])
+    _must_succeed(rc, out, err)
     assert sorted(results) == list(range(_gpus()))
     if hook != in_effect:
         assert "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 turned off" in err, err[-3000:]
@@ -113,7 +123,7 @@ def test_nccl_register_hook_reference_run_with_pytorchs_allocator():
     script = os.path.join(HERE, "dist_nccl_register.py")
     results, out, err, rc = _torchrun([script, "native"], timeout=240,
                                       TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1")
-    assert rc == 0, (out[-3000:], err[-3000:])
+    _must_succeed(rc, out, err)
     assert all(row["wrong"] == 0 and row["checked"] == 24 for row in results.values()), results
 
 
@@ -121,7 +131,7 @@ def test_nccl_register_hook_reference_run_with_pytorchs_allocator():
 
 def test_find_batch_size_under_fsdp2_same_answer_inside_budget():
     results, out, err, rc = _torchrun([os.path.join(HERE, "dist_batch_size.py"), "fsdp"], timeout=420)
-    assert rc == 0, (out[-3000:], err[-3000:])
+    _must_succeed(rc, out, err)
     assert sorted(results) == list(range(_gpus()))
     assert len({row["batch"] for row in results.values()}) == 1, results
     for row in results.values():
@@ -134,7 +144,7 @@ def test_find_batch_size_under_fsdp2_same_answer_inside_budget():
 def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
     _need_two()
     results, out, err, rc = _torchrun([os.path.join(HERE, "dist_batch_size.py"), "uneven"], timeout=420)
-    assert rc == 0, (_raised(err), out[-3000:], err[-3000:])
+    _must_succeed(rc, out, err)
     print(json.dumps(results))  # whole, in the captured output of a failure (each search's figures)
     agreed = {row["agreed"] for row in results.values()}
     assert len(agreed) == 1, results
@@ -156,7 +166,7 @@ def test_find_batch_size_ddp_uneven_budgets_least_memory_decides():
 
 def test_one_rank_oom_every_rank_recovers_together():
     results, out, err, rc = _torchrun([os.path.join(HERE, "dist_faults.py"), "recover"], timeout=240)
-    assert rc == 0, (out[-3000:], err[-3000:])
+    _must_succeed(rc, out, err)
     world = _gpus()
     assert sorted(results) == list(range(world))
     for row in results.values():
@@ -183,7 +193,7 @@ def test_one_rank_oom_reaches_the_other_ranks():
     # The multi-rank halves of the two tests above, run again to say so in the test list.
     _need_two()
     results, out, err, rc = _torchrun([os.path.join(HERE, "dist_faults.py"), "recover"], timeout=240)
-    assert rc == 0, (out[-3000:], err[-3000:])
+    _must_succeed(rc, out, err)
     for row in results.values():
         assert row["raised"][0]["type"] == "RankOutOfMemoryError"
         assert f"rank {_gpus() - 1}: out of memory" in row["raised"][0]["message"]

@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import pressure  # noqa: E402  (imports no torch)
 from pressure_workloads import (  # noqa: E402
-    ALLOCATORS, GPUMEM_CONF, WORKLOADS, ballast_bytes, rmm_figures, steady_figures)
+    ALLOCATORS, GPUMEM_CONF, WORKLOADS, ballast_bytes, gpumem_conf, rmm_figures, steady_figures)
 
 
 def run(*args, script="pressure.py"):
@@ -41,6 +41,8 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--workloads", "moe,nope"], "unknown workload(s) ['nope']"),
     (["--allocators", "native,jemalloc"], "unknown allocator(s) ['jemalloc']"),
+    (["--allocators", "native,gpumem+"], "unknown allocator(s) ['gpumem+']"),
+    (["--allocators", "native,async+stitch:false"], "unknown allocator(s) ['async+stitch:false']"),
     (["--tolerance", "0"], "--tolerance must be in (0, 1)"),
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
@@ -56,6 +58,20 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
 def test_bad_arguments_are_refused(args, message):
     r = run("--dry-run", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_a_gpumem_configuration_with_keys_is_run_with_its_configuration():
+    """gpumem+KEY:VALUE (as bench/lockstep.py takes them): in the plan, and its workers run it (the
+    worker turns the name into GPUMEM_CONF, pressure_workloads.gpumem_conf)."""
+    args = pressure.parse_args(["--workloads", "ckpt",
+                                "--allocators", "native,gpumem,gpumem+ends_by_page:true"])
+    assert args.allocators == ["native", "gpumem", "gpumem+ends_by_page:true"]
+    assert "allocators native, gpumem, gpumem+ends_by_page:true" in pressure.plan(args)
+    runner = pressure.Runner(args)
+    runner.peak["ckpt"], runner.total = 1 << 30, 80 << 30
+    cmd = runner.command(pressure.Trial("ckpt", "gpumem+ends_by_page:true", 1.05, stop_on_oom=True))
+    assert cmd[2:4] == ["ckpt", "gpumem+ends_by_page:true"], cmd
+    assert gpumem_conf("gpumem+ends_by_page:true") == "release:lazy,stitch:true,ends_by_page:true"
 
 
 def test_the_release_slack_goes_to_gpumem_hw_workers_only():

@@ -481,6 +481,10 @@ class Pool {
     const std::size_t cap = effective_cap_locked();
     return device_room_ && device_room_ < cap ? device_room_ : cap;
   }
+  // Whether anything but the device's total memory bounds the pool: a cap, a limit or the learned room.
+  bool bounded_locked() const {
+    return options_.cap_bytes != 0 || budget_->limit() != Budget::kNoLimit || device_room_ != 0;
+  }
   // The device's free bytes in *free_bytes; false (nothing written) on a driver error, which callers
   // survive: the room known before stays, an out-of-memory message says "unknown" (pool_release.cpp).
   bool device_free_bytes(std::size_t* free_bytes) const;

@@ -199,8 +199,7 @@ bool Pool::ensure_mapped(Block* block) {
   // fbs_gen's from 1.0125x to 1.0075x, ckpt's from 1.0120x to 1.0102x; at 1.05x ckpt mapped and
   // unmapped 1,429 units instead of 408 at lag 20 (README, "ends_by_page").
   const PageRun covered = pages.covered(block->address, block->size);
-  const bool bounded = options_.cap_bytes != 0 || budget_->limit() != Budget::kNoLimit || device_room_ != 0;
-  const bool ends_by_page = options_.ends_by_page && bounded && !bound_is_roomy();
+  const bool ends_by_page = options_.ends_by_page && bounded_locked() && !bound_is_roomy();
   auto maps_whole = [&](std::size_t g) {  // group g goes as one group unit
     return wholly_unmapped(g) && (!ends_by_page || (g >= covered.first && g + group <= covered.end));
   };

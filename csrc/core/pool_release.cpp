@@ -89,8 +89,7 @@ constexpr double kRoomyBound = 0.02;
 constexpr double kSettledAfter = 4.0;
 
 bool Pool::bound_is_roomy() const {
-  if (options_.cap_bytes == 0 && budget_->limit() == Budget::kNoLimit && device_room_ == 0)
-    return false;  // nothing bounds it but the device's total memory
+  if (!bounded_locked()) return false;  // nothing bounds it but the device's total memory
   const auto high_water = static_cast<double>(live_high_water_);
   return live_high_water_ > 0 &&
          high_water * (1.0 + kRoomyBound) <= static_cast<double>(bound_locked()) &&

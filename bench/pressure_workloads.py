@@ -117,8 +117,8 @@ CONTEXT_BYTES = 900 << 20
 
 
 def release_slack_arg(text: str) -> float:
-    """The argparse type of --release-slack (this script, pressure.py, remap_at_cap.py): a fraction in
-    [0, 1], as GPUMEM_CONF's release_slack."""
+    """The argparse type of --release-slack (this script, pressure.py, remap_at_cap.py) and of
+    remap_at_cap.py's --early-ends-by-page: a fraction in [0, 1], as GPUMEM_CONF's keys of those names."""
     try:
         value = float(text)
     except ValueError:

@@ -47,10 +47,11 @@ HERE = Path(__file__).resolve().parent
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
             passes: int = 1, bound: str = "capacity", release_slack: float | None = None,
             elsewhere_freed_after: int | None = None, stitch: bool = True,
-            ends_by_page: bool = False) -> dict:
+            ends_by_page: bool = False, early_ends_by_page: float | None = None) -> dict:
     from gpumem.replay import bound_keywords, min_capacity, replay
 
-    policy = dict(release=release, release_slack=release_slack, stitch=stitch, ends_by_page=ends_by_page)
+    policy = dict(release=release, release_slack=release_slack, stitch=stitch, ends_by_page=ends_by_page,
+                  early_ends_by_page=early_ends_by_page)
     uncapped = replay(trace, device_lag=device_lag, passes=passes, **policy)
     peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, release_slack=release_slack,
@@ -101,6 +102,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ends-by-page", action="store_true",
                     help="the pool's ends_by_page option on (GPUMEM_CONF ends_by_page:true): under a bound "
                          "that is not roomy, a block's end pages mapped one by one")
+    ap.add_argument("--early-ends-by-page", type=release_slack_arg, default=None, metavar="F",
+                    help="the pool's early_ends_by_page option (GPUMEM_CONF early_ends_by_page; default the "
+                         "pool's, 0.1): under a bound, the blocks mapped while the live high water is below F "
+                         "of it map their end pages one by one; 0 never")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")
     ap.add_argument("--bound", default="capacity", choices=("capacity", "limit", "device"),
@@ -148,7 +153,8 @@ def main(argv=None) -> int:
             try:
                 row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound,
                               release_slack=args.release_slack, elsewhere_freed_after=args.elsewhere_freed_after,
-                              stitch=args.stitch, ends_by_page=args.ends_by_page)
+                              stitch=args.stitch, ends_by_page=args.ends_by_page,
+                              early_ends_by_page=args.early_ends_by_page)
             except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
                 print(f"{trace}: {e}", file=sys.stderr)
                 break

@@ -9,7 +9,7 @@ def test_defaults():
                                 "release": "lazy", "release_slack": 0.005,
                                 "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True,
                                 "stitch": True, "stitch_slack": 0.01,
-                                "ends_by_page": False}
+                                "ends_by_page": False, "early_ends_by_page": 0.1}
 
 
 @pytest.mark.parametrize(
@@ -32,6 +32,8 @@ def test_defaults():
         ("stitch_slack:0.02", "stitch_slack", 0.02),
         ("ends_by_page:true", "ends_by_page", True),
         ("ends_by_page:off", "ends_by_page", False),
+        ("early_ends_by_page:0", "early_ends_by_page", 0.0),
+        ("early_ends_by_page:0.25", "early_ends_by_page", 0.25),
         ("page_size:16MiB", "page_size", 16 << 20),
         (" Upstream : VMM , , release:high_water", "upstream", "vmm"),
     ],
@@ -43,9 +45,11 @@ def test_accepted(text, key, value):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, stitch_slack, ends_by_page"),
+        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, stitch_slack, ends_by_page, early_ends_by_page"),
         ("ends_by_page:sometimes", "ends_by_page='sometimes' is not valid; accepted: true, false"),
         ("release_slack:2", "release_slack='2' is not valid"),
+        ("early_ends_by_page:1.5", "early_ends_by_page='1.5' is not valid; accepted: a fraction in [0, 1] such as 0.1"),
+        ("early_ends_by_page:often", "early_ends_by_page='often' is not valid"),
         ("page_size:3MiB", "page_size='3MiB' is not valid; accepted: a multiple of 2MiB"),
         ("upstream:cuda", "upstream='cuda' is not valid; accepted: auto, vmm, segments"),
         ("cap:1.5", "cap='1.5' is not valid"),

@@ -232,7 +232,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
                        double release_slack, const py::int_& page_size, int device, bool stitch,
-                       double stitch_slack, bool ends_by_page) {
+                       double stitch_slack, bool ends_by_page, double early_ends_by_page) {
              PoolOptions o;
              o.cap_bytes = to_size(cap, "cap");
              o.release = parse_release(release);
@@ -242,6 +242,7 @@ PYBIND11_MODULE(_C, m) {
              o.stitch = stitch;
              o.stitch_slack = stitch_slack;
              o.ends_by_page = ends_by_page;
+             o.early_ends_by_page = early_ends_by_page;
              return std::make_shared<Pool>(std::move(upstream), o);
            }),
            py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "lazy",
@@ -249,11 +250,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("page_size") = py::int_(kDefaultPageSize), py::arg("device") = 0,
            py::arg("stitch") = PoolOptions().stitch, py::arg("stitch_slack") = PoolOptions().stitch_slack,
            py::arg("ends_by_page") = PoolOptions().ends_by_page,
+           py::arg("early_ends_by_page") = PoolOptions().early_ends_by_page,
            "A pool over `upstream`. page_size: bytes per page of large arenas on a paged upstream "
            "(a multiple of its granularity; small arenas use the granularity). stitch: new pages past the "
            "live high water (+ stitch_slack, a fraction) backed by free blocks' units (GPUMEM_CONF stitch, "
            "stitch_slack). ends_by_page: under a bound that is not roomy, a block's end groups are mapped "
-           "page by page (GPUMEM_CONF ends_by_page).")
+           "page by page (GPUMEM_CONF ends_by_page); early_ends_by_page: so are those of the blocks mapped "
+           "while the live high water is below that fraction of the bound (GPUMEM_CONF early_ends_by_page; "
+           "0: never).")
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream, bool count_oom) {
              std::size_t bytes = to_size(size, "size");
@@ -475,6 +479,7 @@ PYBIND11_MODULE(_C, m) {
           d["stitch"] = c.stitch;
           d["stitch_slack"] = c.stitch_slack;
           d["ends_by_page"] = c.ends_by_page;
+          d["early_ends_by_page"] = c.early_ends_by_page;
           return d;
         },
         py::arg("text"), py::arg("source") = "GPUMEM_CONF",

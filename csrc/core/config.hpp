@@ -23,6 +23,7 @@ struct Config {
   bool stitch = PoolOptions().stitch;  // see PoolOptions (the main pools only; graph pools and MemPools never)
   double stitch_slack = PoolOptions().stitch_slack;  // see PoolOptions
   bool ends_by_page = PoolOptions().ends_by_page;    // see PoolOptions
+  double early_ends_by_page = PoolOptions().early_ends_by_page;  // see PoolOptions
 };
 
 // @throws InvalidArgument naming the key and the accepted values.

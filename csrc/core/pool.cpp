@@ -28,7 +28,8 @@ Pool::Pool(std::shared_ptr<Upstream> upstream, PoolOptions options)
     throw InvalidArgument("page size " + format_bytes(large_page_) + " is not a multiple of the device's " +
                           format_bytes(page_size_) + " granularity");
   for (const auto& [name, slack] : {std::pair{"release_slack", options_.release_slack},
-                                    std::pair{"stitch_slack", options_.stitch_slack}})
+                                    std::pair{"stitch_slack", options_.stitch_slack},
+                                    std::pair{"early_ends_by_page", options_.early_ends_by_page}})
     if (!(slack >= 0 && slack <= 1))  // NaN refused too
       throw InvalidArgument(std::string(name) + " must be in [0, 1], got " + std::to_string(slack));
   if (options_.cap_bytes && options_.cap_bytes < page_size_)

@@ -120,6 +120,12 @@ struct PoolOptions {
   // instead of staying pinned in a group the block still holds (pool_map.cpp, ensure_mapped). Fewer
   // bytes pinned near the cap; more driver units to map and unmap (README, "ends_by_page").
   bool ends_by_page = false;
+  // Paged upstreams, under a cap or a limit: while the live high water is below this fraction of the
+  // bound, blocks map their end groups page by page as with ends_by_page (0: never). A run's first
+  // blocks are mostly its weights and optimizer state, which live as long as the run: an end group
+  // such a block maps whole stays pinned, its free pages with it, when the step's blocks around it
+  // come and go near the bound (pool_map.cpp, ensure_mapped; README, "early_ends_by_page").
+  double early_ends_by_page = 0.1;
   int device = 0;             // only used in messages and to reject frees meant for another device
   // Shared with the other pools of a device, whose reserved bytes count against one limit
   // (set_limit); null: the pool has a budget of its own.

@@ -26,6 +26,10 @@ Keys (comma separated, ``key:value`` or ``key=value``):
                a block's end pages (shared with its neighbours) are mapped page by page rather than in
                whole 8 MiB groups, so a freed neighbour's pages there can go back: fits tighter caps,
                costs more driver calls under them
+``early_ends_by_page``  vmm: a fraction in [0, 1] (0.1): under a cap or a memory fraction, blocks mapped
+               while the live high water is below this share of it (a run's first blocks: weights and
+               optimizer state, which live as long as the run) map their end pages as ``ends_by_page``
+               does; 0 never. Fits tighter caps at little of ``ends_by_page``'s cost in driver calls
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """
@@ -51,6 +55,7 @@ class Config(TypedDict):
     stitch: bool  # vmm: new pages past the live high water backed by free cached pages' memory
     stitch_slack: float  # vmm, stitch: how far reserved may grow past the live high water first (0.01)
     ends_by_page: bool  # vmm, bounded: a block's end groups mapped page by page (false)
+    early_ends_by_page: float  # vmm, bounded: so are those of blocks mapped below this share of it (0.1)
 
 
 def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:

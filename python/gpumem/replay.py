@@ -106,6 +106,7 @@ def replay(
     stitch: bool = True,
     stitch_slack: Optional[float] = None,
     ends_by_page: bool = False,
+    early_ends_by_page: Optional[float] = None,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -127,7 +128,9 @@ def replay(
     (fraction) reserved grows past the live high water before it stitches (``GPUMEM_CONF``
     ``stitch_slack``; None: the pool's default, 0.01). ``ends_by_page`` is the pool's option of that name
     (``GPUMEM_CONF`` ``ends_by_page``, off by default: under a limit that is not roomy, a block's end
-    pages are mapped one by one rather than in whole groups).
+    pages are mapped one by one rather than in whole groups), ``early_ends_by_page`` the pool's option
+    of that name (``GPUMEM_CONF`` ``early_ends_by_page``; None: the pool's default, 0.1: so are those
+    of the blocks mapped while the live high water is below that fraction of the limit; 0: never).
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
@@ -152,6 +155,8 @@ def replay(
     options: Dict[str, Any] = {} if release_slack is None else {"release_slack": release_slack}
     if stitch_slack is not None:
         options["stitch_slack"] = stitch_slack
+    if early_ends_by_page is not None:
+        options["early_ends_by_page"] = early_ends_by_page
     pool = _C.Pool(device, release=release, page_size=page_size, stitch=bool(stitch),
                    ends_by_page=bool(ends_by_page), **options)
     if limit is not None:

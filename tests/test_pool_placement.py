@@ -393,6 +393,40 @@ def test_ends_by_page_under_a_bound_a_blocks_ends_go_page_by_page(bound, option)
     assert pool.reserved_bytes == 0 and device.used_bytes == 0
 
 
+@pytest.mark.parametrize("early, bound_mib, by_page", [
+    (0.1, 256, True),    # live high water 9 MiB, then 18 MiB: below 10% of the bound, ends by page
+    (0.0, 256, False),   # the option off
+    (0.1, 64, False),    # 9 MiB is above 10% of the bound: whole groups
+    (0.5, 64, True),     # ... below half of it
+])
+def test_early_ends_by_page_the_first_blocks_ends_go_page_by_page(early, bound_mib, by_page):
+    """early_ends_by_page (0.1 by default): under a limit, blocks mapped while the live high water is
+    below that fraction of the bound map their end groups page by page, as ends_by_page does for every
+    block: the two 9 MiB blocks above, under limits of 256 and 64 MiB."""
+    device = _C.SimulatedDevice("vmm", 1 * GiB)
+    pool = _C.Pool(device, page_size=8 * MiB, early_ends_by_page=early)
+    pool.set_limit(bound_mib * MiB)
+    a = pool.allocate(9 * MiB)
+    b = pool.allocate(9 * MiB)
+    assert b == a + 9 * MiB
+    unit = device.physical_unit_at
+    assert (unit(a + 8 * MiB)[0] != unit(a + 10 * MiB)[0]) == by_page
+    pool.free(b)
+    pool.trim()
+    assert pool.reserved_bytes == (10 * MiB if by_page else 16 * MiB)
+    pool.free(a)
+    pool.trim()
+    pool.validate()
+    assert pool.reserved_bytes == 0 and device.used_bytes == 0
+
+
+def test_early_ends_by_page_is_refused_outside_0_1():
+    device = _C.SimulatedDevice("vmm", 1 * GiB)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="early_ends_by_page must be in"):
+            _C.Pool(device, early_ends_by_page=bad)
+
+
 @pytest.mark.parametrize("option, fits", [(False, False), (True, True)])
 def test_a_recorded_ddp_step_at_a_limit_of_1_01x_its_peak_live_bytes(option, fits):
     """bench/traces/ddp_mlp: the last rank's step of tests/gpu/dist_batch_size.py's uneven DDP run (a

@@ -1,12 +1,15 @@
-"""The pool's ends_by_page option on a GPU (GPUMEM_CONF ends_by_page, off by default; core/pool_map.cpp,
-ensure_mapped): under a memory fraction that is not roomy, a block's end groups are mapped page by page
-on the real driver, and what it maps holds the right values under pressure. Each test runs a child
-process with gpumem as torch's allocator, with the option and without it:
+"""The pool's options ends_by_page (GPUMEM_CONF ends_by_page, off by default) and early_ends_by_page (0.1
+by default) on a GPU (core/pool_map.cpp, ensure_mapped): under a memory fraction that is not roomy, a
+block's end groups are mapped page by page on the real driver (every block's with ends_by_page, those
+of the blocks mapped while the live high water is below 10% of the fraction by default), and what it
+maps holds the right values under pressure. Each test runs a child process with gpumem as torch's
+allocator, with ends_by_page, with the defaults and with early_ends_by_page:0:
 
-- two 9 MiB tensors side by side under a 1 GiB fraction: the first covers one 8 MiB group and one
-  page of the next, which it shares with the second. Once the second is freed and the cache emptied,
-  the first pins one 2 MiB page of that group with the option and the whole 8 MiB group without it:
-  6 MiB less reserved (tests/test_pool_placement.py shows the same on the simulated device);
+- two 9 MiB tensors side by side under a 1 GiB fraction (18 MiB: early blocks): the first covers one
+  8 MiB group and one page of the next, which it shares with the second. Once the second is freed and
+  the cache emptied, the first pins one 2 MiB page of that group with ends_by_page and with the
+  defaults, the whole 8 MiB group with early_ends_by_page:0: 6 MiB more reserved
+  (tests/test_pool_placement.py shows the same on the simulated device);
 - tensors of changing sizes under a fraction just above their peak, each filled with a value of its
   own and every live one checked after every step (a page mapped twice or backing two tensors would
   show as a wrong value; checked by each tensor's min and max, which allocate nothing of its size),
@@ -29,7 +32,7 @@ import torch
 assert gt.is_active(), gt.status_line()
 MiB = 1 << 20
 total = torch.cuda.mem_get_info()[1]
-facts = {"conf": gt.active_config()["ends_by_page"]}
+facts = {"conf": gt.active_config()["ends_by_page"], "early": gt.active_config()["early_ends_by_page"]}
 
 # 1. Two 9 MiB tensors side by side, the second freed.
 torch.cuda.set_per_process_memory_fraction(1024 * MiB / total)
@@ -102,21 +105,22 @@ def run_child(conf):
 
 
 @pytest.mark.gpu
-def test_under_a_fraction_a_blocks_end_pages_go_back_with_the_option():
-    on, off = run_child("ends_by_page:true"), run_child("")
-    print("ends_by_page:", on, "\ndefault:", off)
-    assert on["conf"] is True and off["conf"] is False
-    assert on["adjacent"] and off["adjacent"]
-    assert on["a_intact"] and off["a_intact"]
+def test_under_a_fraction_an_early_blocks_end_pages_go_back_by_default_and_with_ends_by_page():
+    on, default, off = run_child("ends_by_page:true"), run_child(""), run_child("early_ends_by_page:0")
+    print("ends_by_page:", on, "\ndefault:", default, "\nearly_ends_by_page:0:", off)
+    assert on["conf"] is True and default["conf"] is False and off["conf"] is False
+    assert default["early"] == 0.1 and off["early"] == 0.0
+    for facts in (on, default, off):
+        assert facts["adjacent"] and facts["a_intact"] and facts["reserved_empty"] == 0, facts
     MiB = 1 << 20
-    # the second tensor's pages of the shared group went back with the option, stayed pinned without it
-    assert off["reserved_after_free"] - on["reserved_after_free"] == 6 * MiB
-    assert on["reserved_empty"] == 0 and off["reserved_empty"] == 0
+    # the second tensor's pages of the shared group went back with either option, stayed pinned without
+    assert on["reserved_after_free"] == default["reserved_after_free"] == 10 * MiB
+    assert off["reserved_after_free"] == 16 * MiB
 
 
 @pytest.mark.gpu
 def test_under_a_tight_fraction_every_tensor_keeps_its_values_and_nothing_is_left():
-    for conf in ("ends_by_page:true", ""):
+    for conf in ("ends_by_page:true", "", "early_ends_by_page:0"):
         facts = run_child(conf)
         assert facts["checks"] > 1000, facts
         assert facts["allocated_after"] == 0 and facts["reserved_after"] == 0, facts

@@ -52,7 +52,7 @@ case "${1:-}" in
     # which runs on every GPU, 265 s on two H200s.
     case "${2:-}" in
       1) files="dropin integrations report run" ;;
-      2) files="torch_bridge stitch ends_by_page compile cuda_upstreams cleanup" ;;  # ends_by_page: 16 s (H200)
+      2) files="torch_bridge stitch ends_by_page compile cuda_upstreams cleanup" ;;  # ends_by_page: ~20 s (H100)
       3) files="batch_size batch_size_tools distributed notebooks" ;;
       *) echo "suite-part needs a part: 1, 2 or 3"; exit 2 ;;
     esac

@@ -43,16 +43,20 @@ class Harness {
     // b1's top bit (capacity takes b1 % 127): under a bound that is not roomy, a block's end groups
     // mapped page by page (option ends_by_page, pool_map.cpp)
     o.ends_by_page = (b1 & 128) != 0;
+    // (b1 + b2) % 3: the blocks mapped while the live high water is below 10% of the bound (the
+    // default), none, or below half of it map their end groups page by page (early_ends_by_page)
+    static const double kEarly[3] = {0.1, 0.0, 0.5};
+    o.early_ends_by_page = kEarly[(b1 + b2) % 3];
     pool_ = std::make_unique<Pool>(dev_, o);
     pool_->add_oom_callback([this] { on_oom(); });
     dev_->spans = &spans_;
     pool_->set_segment_observer([this](SegmentEvent e, std::uintptr_t a, std::size_t n, StreamId) { on_span(e, a, n); });
     describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d stitch=%d "
-             "lag=%zu ends_by_page=%d",
+             "lag=%zu ends_by_page=%d early_ends_by_page=%.1f",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
              release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, o.large_page_bytes,
              capacity_, cap_, int(dev_->auto_complete()), int(o.stitch), std::size_t(dev_->lag()),
-             int(o.ends_by_page));
+             int(o.ends_by_page), o.early_ends_by_page);
     check_state();
   }
 

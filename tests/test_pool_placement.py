@@ -377,12 +377,17 @@ def test_ends_by_page_under_a_bound_a_blocks_ends_go_page_by_page(bound, option)
     pool = _C.Pool(device, page_size=8 * MiB, cap=64 * MiB if bound == "cap" else 0, ends_by_page=option)
     if bound == "limit":
         pool.set_limit(64 * MiB)
+    _two_blocks_the_second_freed(pool, device, by_page=option and bound is not None)
+
+
+def _two_blocks_the_second_freed(pool, device, by_page):
+    """Two 9 MiB blocks side by side, the second freed and the cache trimmed: group 1 (shared) went page
+    by page or not, the first block pins 10 or 16 MiB; then nothing is left."""
     a = pool.allocate(9 * MiB)
     b = pool.allocate(9 * MiB)
     assert b == a + 9 * MiB
     unit = device.physical_unit_at  # (physical allocation, offset in it)
     assert unit(a)[0] == unit(a + 6 * MiB)[0]  # group 0, covered whole: one group unit either way
-    by_page = option and bound is not None
     assert (unit(a + 8 * MiB)[0] != unit(a + 10 * MiB)[0]) == by_page
     pool.free(b)
     pool.trim()
@@ -406,18 +411,7 @@ def test_early_ends_by_page_the_first_blocks_ends_go_page_by_page(early, bound_m
     device = _C.SimulatedDevice("vmm", 1 * GiB)
     pool = _C.Pool(device, page_size=8 * MiB, early_ends_by_page=early)
     pool.set_limit(bound_mib * MiB)
-    a = pool.allocate(9 * MiB)
-    b = pool.allocate(9 * MiB)
-    assert b == a + 9 * MiB
-    unit = device.physical_unit_at
-    assert (unit(a + 8 * MiB)[0] != unit(a + 10 * MiB)[0]) == by_page
-    pool.free(b)
-    pool.trim()
-    assert pool.reserved_bytes == (10 * MiB if by_page else 16 * MiB)
-    pool.free(a)
-    pool.trim()
-    pool.validate()
-    assert pool.reserved_bytes == 0 and device.used_bytes == 0
+    _two_blocks_the_second_freed(pool, device, by_page)
 
 
 def test_early_ends_by_page_is_refused_outside_0_1():

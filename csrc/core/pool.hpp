@@ -12,12 +12,14 @@
 //    a block of 256 MiB or more covers whole, so that in the tight case a block pins no more than it
 //    touches (page_map.hpp: units); under a roomy cap or limit (2% above a settled live high water,
 //    bound_is_roomy) whole groups again, released to make room: the bound does not decide what fits
-//    there, and the driver's work goes by units. Units unmapped to make room for a block are kept for
-//    its map (Upstream::keep_released_units) rather than released and created again. When the best
-//    fit needs pages mapped, a larger free block that needs fewer takes the block
-//    (Pool::fewest_unmapped_fit), and within its free block it goes where it needs the fewest
-//    (Pool::place). Free pages anywhere in it can be unmapped, so free memory in the middle of a
-//    region goes back to the device ("reserved" = mapped pages).
+//    there, and the driver's work goes by units. Under a cap or limit, the blocks mapped while the live
+//    high water is below 10% of it (a run's weights and optimizer state) map their end groups page by
+//    page (early_ends_by_page; option ends_by_page: every block, under a bound that is not roomy).
+//    Units unmapped to make room for a block are kept for its map (Upstream::keep_released_units)
+//    rather than released and created again. When the best fit needs pages mapped, a larger free
+//    block that needs fewer takes the block (Pool::fewest_unmapped_fit), and within its free block it
+//    goes where it needs the fewest (Pool::place). Free pages anywhere in it can be unmapped, so free
+//    memory in the middle of a region goes back to the device ("reserved" = mapped pages).
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
 //  - Release policy "lazy" (default): free pages stay cached (mapped) for reuse until trim(), or until
 //    the cap or the device runs short: then fully free pages anywhere, even between live blocks, are

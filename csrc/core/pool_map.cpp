@@ -204,8 +204,8 @@ bool Pool::ensure_mapped(Block* block) {
   // the CPU replay ckpt's lowest 0-OOM limit is 1.0102x with either (1.0120x without), bert's 1.0104x
   // (1.0121x), fbs_gen's 1.0100x at lags 20 and 100 (1.0075x with the option, 1.0125x without); at
   // 1.05x, passes 8, 12 and 20 at lags 20-1000, ckpt maps 190 units a pass against the default's 178
-  // and the option's 437. Below 10% of the bound no gain (5%: none on ckpt and bert), above it the
-  // option's cost comes back (30%: 251 units on ckpt; 70%: 437) (README, "early_ends_by_page").
+  // and the option's 437. A smaller fraction gives none of the gain (5%: ckpt and bert as without), a
+  // larger one the option's cost back (30%: 251 units on ckpt; 70%: 437) (README, "early_ends_by_page").
   const PageRun covered = pages.covered(block->address, block->size);
   const bool ends_by_page =
       bounded_locked() && !bound_is_roomy() &&

@@ -1,6 +1,7 @@
 """bench/lockstep.py without a GPU: its workers (bench/pressure_workloads.py --lockstep) take turns and
 end when told, the driver runs every round and keeps to its budget, and the comparison pairs each
 round's passes and leaves out those with OOM steps. The step times themselves need the GPU machine."""
+import gzip
 import json
 import subprocess
 import sys
@@ -140,6 +141,25 @@ def test_the_readmes_pooled_figures_come_from_the_saved_runs():
                for line in r.stdout.splitlines()), r.stdout
     r = run("--from-json", *(str(saved / f"generate_call{i}.json.gz") for i in (1, 2)))
     assert any(line.split()[:4] == ["gpumem", "472.75", "0", "0.9858"] for line in r.stdout.splitlines())
+
+
+def test_the_early_ends_by_page_figures_come_from_the_saved_runs():
+    """README, "early_ends_by_page": ckpt at 1.05x over expandable_segments (1.035 with the default, 1.047
+    with the rule off) and bert (0.798, 0.847), from the saved runs of that GPU call."""
+    saved = Path(__file__).resolve().parents[1] / "bench" / "results" / "early-ends-2026-11-27"
+    r = run("--from-json", str(saved / "ckpt_call5.json.gz"), "--reference", "expandable")
+    assert r.returncode == 0, r.stderr
+    capped = r.stdout.split("ckpt at 1.05x")[1].splitlines()
+    assert any(line.split()[:4] == ["gpumem", "99.96", "0", "1.0350"] for line in capped), r.stdout
+    assert any(line.split()[:4] == ["gpumem+early_ends_by_page:0", "102.94", "0", "1.0473"] for line in capped)
+    r = run("--from-json", str(saved / "bert_call4.json.gz"))
+    capped = r.stdout.split("bert at 1.05x")[1].splitlines()
+    assert any(line.split()[:4] == ["gpumem", "22.37", "0", "0.7978"] for line in capped), r.stdout
+    pressure = json.loads(gzip.decompress((saved / "pressure_call4.json.gz").read_bytes()))
+    caps = {w: {row["allocator"]: row["lowest_cap"] for row in result["rows"]}
+            for w, result in pressure["results"].items()}
+    assert caps["ckpt"]["gpumem"] == 1.0089 and caps["ckpt"]["gpumem+early_ends_by_page:0"] == 1.01
+    assert caps["bert"]["gpumem"] == 1.0085 and caps["bert"]["gpumem+early_ends_by_page:0"] == 1.01
 
 
 def passes(*ms_and_ooms):

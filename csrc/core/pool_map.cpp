@@ -200,10 +200,10 @@ bool Pool::ensure_mapped(Block* block) {
   // unmapped 1,429 units instead of 408 at lag 20 (README, "ends_by_page").
   // PoolOptions::early_ends_by_page does the same for every block while the live high water is below
   // that fraction of the bound: the run's first blocks (weights, optimizer state), which live as long
-  // as the run. Most of the option's gain on the traces comes from those, at little of its cost: on
+  // as the run. Most of the option's gain on the traces comes from those, little of its steady cost: on
   // the CPU replay ckpt's lowest 0-OOM limit is 1.0102x with either (1.0120x without), bert's 1.0104x
   // (1.0121x), fbs_gen's 1.0100x at lags 20 and 100 (1.0075x with the option, 1.0125x without); at
-  // 1.05x, passes 8, 12 and 20 at lags 20-1000, ckpt maps 190 units a pass against the default's 178
+  // 1.05x, passes 8, 12 and 20 at lags 20-1000, ckpt maps 190 units a pass against 178 without it
   // and the option's 437. A smaller fraction gives none of the gain (5%: ckpt and bert as without), a
   // larger one the option's cost back (30%: 251 units on ckpt; 70%: 437) (README, "early_ends_by_page").
   const PageRun covered = pages.covered(block->address, block->size);

@@ -29,7 +29,8 @@ Keys (comma separated, ``key:value`` or ``key=value``):
 ``early_ends_by_page``  vmm: a fraction in [0, 1] (0.1): under a cap or a memory fraction, blocks mapped
                while the live high water is below this share of it (a run's first blocks: weights and
                optimizer state, which live as long as the run) map their end pages as ``ends_by_page``
-               does; 0 never. Fits tighter caps at little of ``ends_by_page``'s cost in driver calls
+               does; 0 never. Fits tighter caps without ``ends_by_page``'s steady cost in driver calls
+               at 1.05x; more calls in the first pass (README, Benchmarks, "early_ends_by_page")
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """

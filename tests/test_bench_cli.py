@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
            "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py",
-           "growth_cost.py", "record_trace.py", "remap_at_cap.py", "lockstep.py"]
+           "growth_cost.py", "record_trace.py", "remap_at_cap.py", "lockstep.py", "vmm_unit_costs.py"]
 
 
 def run(args, cwd, **kw):
@@ -148,6 +148,36 @@ def test_compare_allocators_tabulates_a_workloads_file(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_vmm_unit_costs_without_a_driver_says_so_and_checks_its_arguments(tmp_path):
+    if any(Path(d, "libcuda.so.1").exists() for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")):
+        pytest.skip("this machine has a CUDA driver: the bench would measure")
+    r = run([BENCH / "vmm_unit_costs.py", "--units", "4", "--repeats", "1"], cwd=tmp_path)
+    assert r.returncode == 2 and "needs the CUDA driver (libcuda.so.1)" in r.stderr, r.stderr
+    r = run([BENCH / "vmm_unit_costs.py", "--units", "0"], cwd=tmp_path)
+    assert r.returncode == 2 and "--units and --repeats must be at least 1" in r.stderr
+    r = run([BENCH / "vmm_unit_costs.py", "--unit-mib", "two"], cwd=tmp_path)
+    assert r.returncode == 2 and "--unit-mib must be whole MiB" in r.stderr
+
+
+def test_vmm_unit_costs_saved_run_gives_the_readmes_table():
+    """The README's table of unit costs is the saved H100 run's rows, rounded to 0.1 us."""
+    rows = json.loads((BENCH / "results" / "vmm-unit-costs-2026-11-28" / "h100.json").read_text())["rows"]
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("**What a unit costs the driver**"):]
+    table = table[:table.index("A unit's cost does not depend")]
+    how = {"per unit": "one per unit", "whole run": "access and unmap once over the run",
+           "whole run, busy": "as above, ~41 ms of work queued on the device"}
+    quoted = 0
+    for r in rows:
+        if r["how"] not in how or (r["how"] == "whole run, busy" and r["unit_mib"] != 8):
+            continue
+        cells = " | ".join(f"{r[k]:.1f}" for k in ("create", "map", "access", "unmap", "release"))
+        assert f"| {r['unit_mib']} MiB | {how[r['how']]} | {cells} |" in table, (r, cells)
+        quoted += 1
+    assert quoted == 5
+    assert all(r["whole_unmap_accepted"] for r in rows if r["how"].startswith("whole run"))
+
+
 def test_gpu_session_names_its_phases(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh")], cwd=tmp_path, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)

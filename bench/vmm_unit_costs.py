@@ -203,10 +203,11 @@ def main(argv=None) -> int:
         return 2
     version = ctypes.c_int()
     d.cu.cuDriverGetVersion(ctypes.byref(version))
-    name = ctypes.create_string_buffer(256)
+    gpu_name = ctypes.create_string_buffer(256)
     dev = ctypes.c_int()
     d.cu.cuDeviceGet(ctypes.byref(dev), args.device)
-    d.cu.cuDeviceGetName(name, 256, dev)
+    d.cu.cuDeviceGetName(gpu_name, 256, dev)
+    gpu = gpu_name.value.decode()
     rows = []
     for mib in sizes:
         unit = mib << 20
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
                 rows.append(row)
         finally:
             d.free_range(base, args.units * unit)
-    print(f"{name.value.decode()}, CUDA driver {version.value}")
+    print(f"{gpu}, CUDA driver {version.value}")
     print(f"{'unit':>6} {'how':<18} {'create':>8} {'map':>8} {'access':>8} {'unmap':>8} {'release':>8}"
           "   us per unit, median of %d rounds of %d units" % (args.repeats, args.units))
     for r in rows:
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
             note += f" (unmaps with ~{r['queued_ms']:.0f} ms queued)"
         print(f"{r['unit_mib']:>4}Mi {r['how']:<18} {r['create']:8.1f} {r['map']:8.1f} {r['access']:8.1f} "
               f"{r['unmap']:8.1f} {r['release']:8.1f}{note}")
-    line = json.dumps({"device": args.device, "gpu": name.value.decode(), "driver_version": version.value,
+    line = json.dumps({"device": args.device, "gpu": gpu, "driver_version": version.value,
                        "rows": rows})
     print(line)
     if args.json:

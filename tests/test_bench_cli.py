@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
            "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py",
-           "growth_cost.py", "record_trace.py", "remap_at_cap.py", "lockstep.py", "vmm_unit_costs.py"]
+           "growth_cost.py", "record_trace.py", "remap_at_cap.py", "lockstep.py", "vmm_unit_costs.py", "host_cost.py"]
 
 
 def run(args, cwd, **kw):
@@ -159,6 +159,17 @@ def test_vmm_unit_costs_without_a_driver_says_so_and_checks_its_arguments(tmp_pa
     assert r.returncode == 2 and "--unit-mib must be whole MiB" in r.stderr
 
 
+def test_host_cost_without_a_gpu_says_so_and_checks_its_arguments(tmp_path):
+    r = run([BENCH / "host_cost.py", "--pairs", "10"], cwd=tmp_path)
+    if r.returncode == 0:
+        pytest.skip("this machine has a GPU: the bench measured")
+    assert r.returncode == 2 and "host_cost: needs a CUDA GPU" in r.stderr, r.stderr
+    r = run([BENCH / "host_cost.py", "--sizes", "1,x"], cwd=tmp_path)
+    assert r.returncode == 2 and "--sizes must be whole bytes" in r.stderr
+    r = run([BENCH / "host_cost.py", "--live", "0"], cwd=tmp_path)
+    assert r.returncode == 2 and "must be at least 1" in r.stderr
+
+
 def test_vmm_unit_costs_saved_run_gives_the_readmes_table():
     """The README's table of unit costs is the saved H100 run's rows, rounded to 0.1 us."""
     rows = json.loads((BENCH / "results" / "vmm-unit-costs-2026-11-28" / "h100.json").read_text())["rows"]
@@ -176,6 +187,29 @@ def test_vmm_unit_costs_saved_run_gives_the_readmes_table():
         quoted += 1
     assert quoted == 5
     assert all(r["whole_unmap_accepted"] for r in rows if r["how"].startswith("whole run"))
+    short = {("h100_1unit.json", "per unit"): "| 1 | one call each |",
+             ("h100_1unit.json", "per unit, busy"): "| 1 | as above, ~40 ms of work queued on the device |",
+             ("h100_16units.json", "per unit"): "| 16 | one per unit |",
+             ("h100_16units.json", "whole run"): "| 16 | access and unmap once over the run |"}
+    for (name, how_), label in short.items():
+        saved = json.loads((BENCH / "results" / "vmm-unit-costs-2026-11-28" / name).read_text())
+        assert saved["gpu"] == "NVIDIA H100 80GB HBM3"
+        (r,) = [r for r in saved["rows"] if r["how"] == how_]
+        cells = " | ".join(f"{r[k]:.1f}" for k in ("create", "map", "access", "unmap", "release"))
+        assert f"{label} {cells} |" in table, (name, how_, cells)
+
+
+def test_host_cost_saved_run_gives_the_readmes_table():
+    """The README's host-time table is the saved H100 run's medians, rounded to whole ns."""
+    rows = json.loads((BENCH / "results" / "host-cost-2026-11-28" / "h100.json").read_text())["rows"]
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("**The host's time per tensor**"):]
+    table = table[:table.index("native and expandable_segments run the same code")]
+    assert [r["allocator"] for r in rows] == ["native", "expandable", "async", "gpumem"]
+    for r in rows:
+        cells = " | ".join(f"{round(r[kind][size]):,}" for size in ("512", "65536", "1048576", "8388608")
+                           for kind in ("single", "churn"))
+        assert f"| {r['allocator']} | {cells} |" in table, (r["allocator"], cells)
 
 
 def test_gpu_session_names_its_phases(tmp_path):

@@ -215,6 +215,8 @@ def main(argv=None) -> int:
             ap.error(f"{mib} MiB is not a multiple of the granularity ({d.granularity} bytes)")
         base = d.reserve(args.units * unit)
         try:
+            # (name, one unmap over the run, one access over the run, queue work before the unmaps).
+            # The busy rounds give access over the whole run, as the pool does, and differ in the unmap.
             configs = [("per unit", False, False, None), ("whole run", True, True, None)]
             if busy:
                 configs += [("per unit, busy", False, True, busy), ("whole run, busy", True, True, busy)]

@@ -147,7 +147,6 @@ def test_compare_allocators_tabulates_a_workloads_file(tmp_path):
     assert summary["summary"]["resnet.step_ms"]["gpumem_over_best"] == pytest.approx(0.9)
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_vmm_unit_costs_without_a_driver_says_so_and_checks_its_arguments(tmp_path):
     if any(Path(d, "libcuda.so.1").exists() for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")):
         pytest.skip("this machine has a CUDA driver: the bench would measure")
@@ -212,6 +211,7 @@ def test_host_cost_saved_run_gives_the_readmes_table():
         assert f"| {r['allocator']} | {cells} |" in table, (r["allocator"], cells)
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_session_names_its_phases(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh")], cwd=tmp_path, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)

@@ -28,7 +28,10 @@ the fastest PyTorch allocator run where expandable is not). Printed per allocato
 (ms), the median per-round ratio with its quartiles, and for gpumem the device calls and driver ms per
 step; `target` says whether the median ratio is at most 1.01 uncapped, 1.00 at a cap (the quartiles say how
 sure that is). Rounds where any worker had an OOM
-step are left out of the ratios (counted in `oom rounds`).
+step are left out of the ratios (counted in `oom rounds`). Under each table, per gpumem configuration, a
+least-squares line through its rounds: its step minus the reference's against its driver + wait ms a
+step (driver_fit): the difference left at no driver time, how much of a driver millisecond the step
+pays, and the correlation, which says whether the driver's time is what the difference follows.
 
 --cap K also runs every allocator capped at K P (set_per_process_memory_fraction(K P / total)), P being
 native's peak allocated bytes over its first pass in the uncapped group, which therefore runs first
@@ -193,6 +196,29 @@ def merge_groups(groups: list) -> dict:
                     final=groups[0][a]["final"]) for a in names}
 
 
+def driver_fit(group: dict, a: str, reference: str, rounds: list) -> dict | None:
+    """How allocator `a`'s step over the reference's follows its host time in the driver: a least-squares
+    line through the rounds' (driver ms + wait ms a step, step ms - the reference's step ms), with its
+    correlation. The intercept is the difference left at no driver time, the slope how much of a
+    driver millisecond the step pays (0: hidden under the GPU's work, 1: all of it). None for an
+    allocator with no driver figures (PyTorch's) or fewer than three rounds that differ."""
+    xs, ys = [], []
+    for r in rounds:
+        p, ref = group[a]["rounds"][r], group[reference]["rounds"][r]
+        if p.get("driver_ms") is None:
+            return None
+        xs.append(p["driver_ms"] + (p.get("wait_ms") or 0.0))
+        ys.append(p["step_ms"] - ref["step_ms"])
+    if len(xs) < 3:
+        return None
+    try:
+        line = statistics.linear_regression(xs, ys)
+        r = statistics.correlation(xs, ys)
+    except statistics.StatisticsError:  # every round the same driver time (or the same difference)
+        return None
+    return dict(intercept_ms=line.intercept, slope=line.slope, r=r, rounds=len(xs))
+
+
 def summarize(group: dict, capped: bool, reference: str | None = None) -> dict:
     """The group's comparison. Per allocator: its compared rounds (those after round 0 in which every
     worker finished its pass), its median step and median OOM steps per pass over them, and its per-round
@@ -232,6 +258,7 @@ def summarize(group: dict, capped: bool, reference: str | None = None) -> dict:
             q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
             row.update(ratio=statistics.median(ratios), ratio_q1=q[0], ratio_q3=q[2], ratios=ratios,
                        ratio_rounds=len(both))
+            row["driver_fit"] = driver_fit(group, a, reference, both)
         calls = [p.get("device_calls") for p in passes[a]]
         driver = [p.get("driver_ms") for p in passes[a]]
         row["device_calls"] = statistics.median(calls) if calls and None not in calls else None
@@ -260,6 +287,11 @@ def table(workload: str, label: str, s: dict) -> str:
                      f"{fmt(row.get('ratio_rounds'), 'd'):>4}  {within:<8}"
                      f"{fmt(row['device_calls'], '.1f'):>11}{fmt(row['driver_ms'], '.3f'):>12}"
                      f"{fmt(row.get('reserved_over_allocated'), '.3f'):>10}  {row['error'] or ''}")
+    for a, row in s["allocators"].items():
+        fit = row.get("driver_fit")
+        if fit and a != s["reference"]:
+            lines.append(f"  {a}: step - {s['reference']}'s = {fit['intercept_ms']:+.2f} ms + {fit['slope']:.2f} x "
+                         f"(driver + wait ms a step), r {fit['r']:.2f}, {fit['rounds']} rounds")
     return "\n".join(lines)
 
 

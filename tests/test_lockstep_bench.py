@@ -162,6 +162,49 @@ def test_the_early_ends_by_page_figures_come_from_the_saved_runs():
     assert caps["bert"]["gpumem"] == 1.0085 and caps["bert"]["gpumem+early_ends_by_page:0"] == 1.01
 
 
+def test_the_driver_fit_of_the_saved_ckpt_runs():
+    """At 1.05x the step over expandable_segments' follows gpumem's driver time (the README's fit);
+    uncapped it does not."""
+    saved = BENCH / "results"
+    r = run("--from-json", str(saved / "early-ends-2026-11-27" / "ckpt_call5.json.gz"), "--reference", "expandable")
+    assert r.returncode == 0, r.stderr
+    uncapped, capped = r.stdout.split("ckpt at 1.05x")
+    assert ("  gpumem: step - expandable's = -2.56 ms + 0.55 x (driver + wait ms a step), r 0.61, 14 rounds"
+            in capped.splitlines()), capped
+    assert ("  gpumem+early_ends_by_page:0: step - expandable's = -5.03 ms + 0.78 x (driver + wait ms a step), "
+            "r 0.91, 14 rounds" in capped.splitlines())
+    assert "  gpumem: step - expandable's = +1.60 ms + 0.46 x (driver + wait ms a step), r 0.26, 13 rounds" in uncapped
+    r = run("--from-json", str(saved / "lockstep-2026-11-27" / "ckpt_call2.json.gz"), "--reference", "expandable")
+    assert "  gpumem: step - expandable's = -1.86 ms + 0.70 x (driver + wait ms a step), r 0.61, 17 rounds" in r.stdout
+    readme = (BENCH.parent / "README.md").read_text()
+    readme = readme[readme.index("**What ckpt's difference follows**"):][:2000]
+    for quoted in ("| **-2.56 ms + 0.55 x, r 0.61** (14) |", "| **-5.03 ms + 0.78 x, r 0.91** (14) |",
+                   "| +1.60 ms + 0.46 x, r 0.26 (13 rounds) |", "| -1.86 ms + 0.70 x, r 0.61 (17) |"):
+        assert quoted in readme, quoted
+
+
+def test_the_driver_fit_is_the_least_squares_line_of_the_rounds():
+    def rounds(*ms_driver_wait):
+        return [dict(step_ms=ms, ooms=0, device_calls=1.0, driver_ms=d, wait_ms=w) for ms, d, w in ms_driver_wait]
+    ref = [dict(step_ms=ms, ooms=0, device_calls=None, driver_ms=None) for ms in (50, 100, 100, 100, 100)]
+    group = {
+        "expandable": dict(rounds=ref, error=None, final={}),
+        # step - 100 = -2 + 0.5 (driver + wait), exactly: r 1
+        "gpumem": dict(rounds=rounds((50, 0, 0), (99, 2, 0), (100, 3, 1), (101, 6, 0), (102, 7, 1)),
+                       error=None, final={}),
+    }
+    fit = lockstep.summarize(group, capped=True)["allocators"]["gpumem"]["driver_fit"]
+    assert fit["intercept_ms"] == pytest.approx(-2) and fit["slope"] == pytest.approx(0.5)
+    assert fit["r"] == pytest.approx(1) and fit["rounds"] == 4
+    assert "gpumem: step - expandable's = -2.00 ms + 0.50 x (driver + wait ms a step), r 1.00, 4 rounds" in (
+        lockstep.table("w", "at 1.05x", lockstep.summarize(group, capped=True)))
+    assert lockstep.summarize(group, capped=True)["allocators"]["expandable"].get("driver_fit") is None
+    same = dict(group, gpumem=dict(rounds=rounds(*[(100, 3, 0)] * 5), error=None, final={}))
+    assert lockstep.summarize(same, capped=True)["allocators"]["gpumem"]["driver_fit"] is None  # no spread
+    few = {a: dict(v, rounds=v["rounds"][:3]) for a, v in group.items()}
+    assert lockstep.summarize(few, capped=True)["allocators"]["gpumem"]["driver_fit"] is None  # 2 rounds
+
+
 def passes(*ms_and_ooms):
     return [dict(step_ms=ms, ooms=ooms, device_calls=None, driver_ms=None) for ms, ooms in ms_and_ooms]
 

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
         ap.error(f"--sizes must be whole bytes, comma-separated, got {args.sizes!r}")
     if min(sizes) < 1 or args.pairs < 1 or args.rounds < 1 or args.live < 1:
         ap.error("--sizes, --pairs, --rounds and --live must be at least 1")
+    keys = [str(size) for size in sizes]  # the workers' figures are keyed by these (" 512", "0512": "512")
     if args.worker:
         print(json.dumps(measure(args.worker, sizes, args.pairs, args.rounds, args.live)))
         return 0
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         return 2
     results = []
     for name in args.allocators.split(","):
-        cmd = [sys.executable, __file__, "--worker", name, "--sizes", args.sizes, "--pairs", str(args.pairs),
+        cmd = [sys.executable, __file__, "--worker", name, "--sizes", ",".join(keys), "--pairs", str(args.pairs),
                "--rounds", str(args.rounds), "--live", str(args.live)]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "GPUMEM_CONF")}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -106,10 +107,9 @@ def main(argv=None) -> int:
         results.append(json.loads(r.stdout.strip().splitlines()[-1]))
     print(f"{results[0]['gpu']}: ns per torch.empty + free, median of {args.rounds} rounds "
           f"(single: one tensor at a time; churn: {args.live} alive, freed shuffled)")
-    print(f"{'allocator':<28}" + "".join(f"{'single ' + s:>16}{'churn ' + s:>16}" for s in args.sizes.split(",")))
+    print(f"{'allocator':<28}" + "".join(f"{'single ' + s:>16}{'churn ' + s:>16}" for s in keys))
     for r in results:
-        print(f"{r['allocator']:<28}" + "".join(f"{r['single'][s]:16.0f}{r['churn'][s]:16.0f}"
-                                                 for s in args.sizes.split(",")))
+        print(f"{r['allocator']:<28}" + "".join(f"{r['single'][s]:16.0f}{r['churn'][s]:16.0f}" for s in keys))
     line = json.dumps({"rows": results})
     print(line)
     if args.json:

@@ -137,12 +137,13 @@ def one_round(d: Driver, base: int, units: int, unit: int, whole_unmap: bool, wh
             t["unmap"] = _timed(lambda: results.extend(d.unmap(base + i * unit, unit) for i in range(units)))
     else:
         t["unmap"] = _timed(lambda: results.extend(d.unmap(base + i * unit, unit) for i in range(units)))
-    bad = [r for r in results[1 if whole_unmap and results[0] != 0 else 0:] if r != 0]
+    refused = whole_unmap and results[0] != 0  # then results[0] is that refusal, the rest per unit
+    bad = [r for r in results[1 if refused else 0:] if r != 0]
     if bad:
         raise RuntimeError(f"cuMemUnmap failed: CUresult {bad[0]}")
     t["release"] = _timed(lambda: [d.release(h) for h in handles])
     out = {k: v / units for k, v in t.items()}
-    out["whole_unmap_accepted"] = bool(whole_unmap and results[0] == 0) if whole_unmap else None
+    out["whole_unmap_accepted"] = not refused if whole_unmap else None
     if queued_ms is not None:
         out["queued_ms"] = queued_ms
     return out

@@ -27,6 +27,7 @@ device after pass K, and the passes after it show whether the pool grows into it
     python bench/remap_at_cap.py --device-lag 100      # and the waits for a device running behind
     python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 bench/traces/ckpt.trace.gz
     python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 3 --bound limit   # as the GPU bench
+    python bench/remap_at_cap.py --device-lag 20,100,1000 --passes 4 --bound limit --no-park-lent
     python bench/remap_at_cap.py --device-lag 100 --passes 3 --bound device --elsewhere-freed-after 1
 
 Bytes mapped beyond the uncapped figure are pages given back and mapped again because of the cap:
@@ -47,11 +48,12 @@ HERE = Path(__file__).resolve().parent
 def measure(trace: str, release: str, factors=(1.02, 1.05), device_lag: int = 0,
             passes: int = 1, bound: str = "capacity", release_slack: float | None = None,
             elsewhere_freed_after: int | None = None, stitch: bool = True,
-            ends_by_page: bool = False, early_ends_by_page: float | None = None) -> dict:
+            ends_by_page: bool = False, early_ends_by_page: float | None = None,
+            park_lent: bool = True) -> dict:
     from gpumem.replay import bound_keywords, min_capacity, replay
 
     policy = dict(release=release, release_slack=release_slack, stitch=stitch, ends_by_page=ends_by_page,
-                  early_ends_by_page=early_ends_by_page)
+                  early_ends_by_page=early_ends_by_page, park_lent=park_lent)
     uncapped = replay(trace, device_lag=device_lag, passes=passes, **policy)
     peak = uncapped.peak_live_bytes
     row = dict(trace=Path(trace).name.split(".")[0], release=release, release_slack=release_slack,
@@ -106,6 +108,10 @@ def main(argv=None) -> int:
                     help="the pool's early_ends_by_page option (GPUMEM_CONF early_ends_by_page; default the "
                          "pool's, 0.1): under a bound, the blocks mapped while the live high water is below F "
                          "of it map their end pages one by one; 0 never")
+    ap.add_argument("--no-park-lent", dest="park_lent", action="store_false",
+                    help="the pool's park_lent option off (GPUMEM_CONF park_lent:false; on by default: under a "
+                         "roomy bound, units lent while draining stay mapped where they were, taken back with "
+                         "no driver call), as in the README's figures of this bench measured before 2026-11-28")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")
     ap.add_argument("--bound", default="capacity", choices=("capacity", "limit", "device"),
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
                 row = measure(trace, args.release, device_lag=lag, passes=args.passes, bound=args.bound,
                               release_slack=args.release_slack, elsewhere_freed_after=args.elsewhere_freed_after,
                               stitch=args.stitch, ends_by_page=args.ends_by_page,
-                              early_ends_by_page=args.early_ends_by_page)
+                              early_ends_by_page=args.early_ends_by_page, park_lent=args.park_lent)
             except ValueError as e:  # a malformed or unreadable trace: said once, the others go on
                 print(f"{trace}: {e}", file=sys.stderr)
                 break

@@ -9,7 +9,7 @@ def test_defaults():
                                 "release": "lazy", "release_slack": 0.005,
                                 "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True,
                                 "stitch": True, "stitch_slack": 0.01,
-                                "ends_by_page": False, "early_ends_by_page": 0.1}
+                                "ends_by_page": False, "early_ends_by_page": 0.1, "park_lent": True}
 
 
 @pytest.mark.parametrize(
@@ -34,6 +34,8 @@ def test_defaults():
         ("ends_by_page:off", "ends_by_page", False),
         ("early_ends_by_page:0", "early_ends_by_page", 0.0),
         ("early_ends_by_page:0.25", "early_ends_by_page", 0.25),
+        ("park_lent:true", "park_lent", True),
+        ("park_lent:no", "park_lent", False),
         ("page_size:16MiB", "page_size", 16 << 20),
         (" Upstream : VMM , , release:high_water", "upstream", "vmm"),
     ],
@@ -45,7 +47,8 @@ def test_accepted(text, key, value):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, stitch_slack, ends_by_page, early_ends_by_page"),
+        ("bogus:1", "unknown key 'bogus'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, stitch_slack, ends_by_page, early_ends_by_page, park_lent"),
+        ("park_lent:often", "park_lent='often' is not valid; accepted: true, false"),
         ("ends_by_page:sometimes", "ends_by_page='sometimes' is not valid; accepted: true, false"),
         ("release_slack:2", "release_slack='2' is not valid"),
         ("early_ends_by_page:1.5", "early_ends_by_page='1.5' is not valid; accepted: a fraction in [0, 1] such as 0.1"),

@@ -258,3 +258,21 @@ def test_a_worker_that_failed_leaves_its_rounds_out_and_is_reported():
 def test_bad_arguments_are_refused(args, message):
     r = run(*args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_the_park_lent_figures_come_from_the_saved_runs():
+    """README, "park_lent": at 1.05x over expandable_segments ckpt 0.9944 off / 0.9701 on, bert 0.8593 /
+    0.7945, from the saved runs of that GPU call, and the README quotes them."""
+    saved = BENCH / "results" / "park-lent-2026-11-28"
+    quoted = {}
+    for workload in ("ckpt", "bert"):
+        r = run("--from-json", str(saved / f"{workload}.json.gz"))
+        assert r.returncode == 0, r.stderr
+        capped = r.stdout.split(f"{workload} at 1.05x")[1].splitlines()
+        rows = {line.split()[0]: line.split() for line in capped if line.startswith("gpumem")}
+        quoted[workload] = (rows["gpumem"][3], rows["gpumem+park_lent:true"][3])
+    assert quoted == {"ckpt": ("0.9944", "0.9701"), "bert": ("0.8593", "0.7945")}
+    readme = (BENCH.parent / "README.md").read_text()
+    section = readme[readme.index("**park_lent: what a step at 1.05x remaps"):][:6000]
+    for workload, (off, on) in quoted.items():
+        assert f"| {off} (" in section and f"/ **{on}** (" in section, workload

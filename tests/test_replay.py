@@ -276,14 +276,15 @@ def test_later_passes_give_the_steady_state_at_the_cap():
     later pass, a small part of the first's units and without a wait once its live high water has
     settled (whole groups under a roomy bound; before that rule it remapped most of the first pass's
     units and waited every pass, as the GPU showed at c1df721); uncapped, nothing is mapped again."""
-    # stitch=False: the mechanism of the pool without stitching (the default before 2026-11-27).
+    # stitch=False, park_lent=False: the mechanism of the pool without stitching and without parking
+    # (the defaults before 2026-11-27 and 2026-11-28; tests/test_park_lent.py has bert with parking).
     traces = Path(__file__).resolve().parents[1] / "bench" / "traces"
     for name in ("varlen", "bert"):
         path = traces / f"{name}.trace.gz"
         first = gpumem.replay(path, stitch=False)
         limit = int(1.05 * first.peak_live_bytes)
-        one, two, three = (gpumem.replay(path, limit=limit, device_lag=100, passes=n, stitch=False)
-                           for n in (1, 2, 3))
+        one, two, three = (gpumem.replay(path, limit=limit, device_lag=100, passes=n, stitch=False,
+                                         park_lent=False) for n in (1, 2, 3))
         assert one.passes == 1 and two.passes == 2 and three.passes == 3
         assert one.upstream_calls > 0 and one.physical_units > 0 and one.ooms == 0
         for later in (two, three):  # peaks over every pass: the same steps, the same peak live
@@ -312,14 +313,16 @@ def test_memory_held_outside_the_pool_bounds_it_and_when_it_goes_the_pool_grows_
     grows instead: the third pass maps nothing. (Before the pool asked again, it kept remapping under
     the room it had learned: the same units every pass, freed memory or not.) The lowest room with 0
     OOMs (bound="device") is within 2% of the peak, as the lowest limit is."""
-    # stitch=False: the mechanism of the pool without stitching (the default before 2026-11-27).
+    # stitch=False, park_lent=False: the mechanism of the pool without stitching and without parking
+    # (the defaults before 2026-11-27 and 2026-11-28).
     from gpumem.replay import DEFAULT_CAPACITY, min_capacity
 
     path = Path(__file__).resolve().parents[1] / "bench" / "traces" / "bert.trace.gz"
     peak = gpumem.replay(path, stitch=False).peak_live_bytes
     outside = DEFAULT_CAPACITY - int(1.05 * peak)
-    held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3, stitch=False)
-    limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3, stitch=False)
+    held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3, stitch=False, park_lent=False)
+    limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3, stitch=False,
+                            park_lent=False)
     assert held.ooms == 0 and held.peak_reserved_bytes <= int(1.05 * peak)
     assert held.physical_units > 0 and held.driver_ms > 0
     # The learned room: no allocation had to give the whole cache back and retry; with no room at all
@@ -329,7 +332,7 @@ def test_memory_held_outside_the_pool_bounds_it_and_when_it_goes_the_pool_grows_
     assert full.ooms > 0 and full.retries >= full.ooms
     assert (held.physical_units, held.waits) == (limited.physical_units, limited.waits)
     freed = gpumem.replay(path, held_elsewhere=outside, elsewhere_freed_after=1, device_lag=100, passes=3,
-                          stitch=False)
+                          stitch=False, park_lent=False)
     assert freed.ooms == 0 and freed.peak_reserved_bytes > int(1.05 * peak)
     assert freed.mapped_bytes == 0 and freed.physical_units == 0 and freed.driver_ms == 0
     m = min_capacity(path, bound="device", device_lag=100, stitch=False)

@@ -54,7 +54,7 @@ case "${1:-}" in
     # got through 44 of 47 and 11 of 14 tests in 520 s, where each alone fits 400.
     case "${2:-}" in
       1) files="dropin integrations report run" ;;
-      2) files="torch_bridge stitch ends_by_page compile cuda_upstreams cleanup" ;;  # ends_by_page: ~20 s (H100)
+      2) files="torch_bridge stitch ends_by_page park_lent compile cuda_upstreams cleanup" ;;  # ends_by_page: ~20 s (H100)
       3) files="batch_size batch_size_tools distributed notebooks" ;;
       *) echo "suite-part needs a part: 1, 2 or 3"; exit 2 ;;
     esac

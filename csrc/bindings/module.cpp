@@ -232,7 +232,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](std::shared_ptr<Upstream> upstream, const py::int_& cap, const std::string& release,
                        double release_slack, const py::int_& page_size, int device, bool stitch,
-                       double stitch_slack, bool ends_by_page, double early_ends_by_page) {
+                       double stitch_slack, bool ends_by_page, double early_ends_by_page,
+                       bool park_lent) {
              PoolOptions o;
              o.cap_bytes = to_size(cap, "cap");
              o.release = parse_release(release);
@@ -243,6 +244,7 @@ PYBIND11_MODULE(_C, m) {
              o.stitch_slack = stitch_slack;
              o.ends_by_page = ends_by_page;
              o.early_ends_by_page = early_ends_by_page;
+             o.park_lent = park_lent;
              return std::make_shared<Pool>(std::move(upstream), o);
            }),
            py::arg("upstream"), py::arg("cap") = 0, py::arg("release") = "lazy",
@@ -251,13 +253,15 @@ PYBIND11_MODULE(_C, m) {
            py::arg("stitch") = PoolOptions().stitch, py::arg("stitch_slack") = PoolOptions().stitch_slack,
            py::arg("ends_by_page") = PoolOptions().ends_by_page,
            py::arg("early_ends_by_page") = PoolOptions().early_ends_by_page,
+           py::arg("park_lent") = PoolOptions().park_lent,
            "A pool over `upstream`. page_size: bytes per page of large arenas on a paged upstream "
            "(a multiple of its granularity; small arenas use the granularity). stitch: new pages past the "
            "live high water (+ stitch_slack, a fraction) backed by free blocks' units (GPUMEM_CONF stitch, "
            "stitch_slack). ends_by_page: under a bound that is not roomy, a block's end groups are mapped "
            "page by page (GPUMEM_CONF ends_by_page); early_ends_by_page: so are those of the blocks mapped "
            "while the live high water is below that fraction of the bound (GPUMEM_CONF early_ends_by_page; "
-           "0: never).")
+           "0: never). park_lent: under a roomy bound, units lent while draining stay mapped (parked) "
+           "where they were, taken back without a driver call (GPUMEM_CONF park_lent).")
       .def("allocate",
            [](Pool& p, const py::int_& size, StreamId stream, bool count_oom) {
              std::size_t bytes = to_size(size, "size");
@@ -480,6 +484,7 @@ PYBIND11_MODULE(_C, m) {
           d["stitch_slack"] = c.stitch_slack;
           d["ends_by_page"] = c.ends_by_page;
           d["early_ends_by_page"] = c.early_ends_by_page;
+          d["park_lent"] = c.park_lent;
           return d;
         },
         py::arg("text"), py::arg("source") = "GPUMEM_CONF",

@@ -145,10 +145,12 @@ Config parse_config(const std::string& text, const std::string& source) {
       if (!parse_flag(value, &config.ends_by_page)) bad(key, value, "true, false");
     } else if (key == "early_ends_by_page") {
       config.early_ends_by_page = fraction(key, value, "0.1");
+    } else if (key == "park_lent") {
+      if (!parse_flag(value, &config.park_lent)) bad(key, value, "true, false");
     } else {
       throw InvalidArgument(source + ": unknown key '" + key +
                             "'; accepted keys: upstream, cap, release, release_slack, page_size, gc_on_oom, ipc, stitch, "
-                            "stitch_slack, ends_by_page, early_ends_by_page");
+                            "stitch_slack, ends_by_page, early_ends_by_page, park_lent");
     }
   }
   return config;

@@ -24,6 +24,7 @@ struct Config {
   double stitch_slack = PoolOptions().stitch_slack;  // see PoolOptions
   bool ends_by_page = PoolOptions().ends_by_page;    // see PoolOptions
   double early_ends_by_page = PoolOptions().early_ends_by_page;  // see PoolOptions
+  bool park_lent = PoolOptions().park_lent;  // see PoolOptions (the main pools only, as stitch)
 };
 
 // @throws InvalidArgument naming the key and the accepted values.

@@ -47,6 +47,9 @@
 //    mapped onto the units of free blocks rather than new memory; their old positions stay mapped
 //    ("parked", counted as unmapped) and a later block there takes the unit back without a driver
 //    call while its new owner is free. Only while no cap or limit bounds the pool (stitching()).
+//  - Option park_lent (on by default; pool_alias.cpp, parks_lent_units): under a roomy cap or limit,
+//    units lent to a block while they drained stay mapped where they were (parked, as stitching
+//    parks them), so that a later step's block there takes them back without a driver call.
 //  - record_stream(ptr, S2) makes free() record an event on S2; the block is reused only after it.
 //  - allocate_at() carves a block at a given address out of free space (CUDA-graph checkpoints are
 //    restored by re-allocating blocks where they were); its code is in pool_allocate_at.cpp.
@@ -128,6 +131,16 @@ struct PoolOptions {
   // such a block maps whole stays pinned, its free pages with it, when the step's blocks around it
   // come and go near the bound (pool_map.cpp, ensure_mapped; README, "early_ends_by_page").
   double early_ends_by_page = 0.1;
+  // Paged upstreams, under a roomy cap or limit (bound_is_roomy): units lent to a block while they
+  // drained (map_from_draining) stay mapped at their old position, parked, as stitching parks them
+  // with no bound, instead of being unmapped at their mark; a later block there takes the unit back
+  // without a driver call while its owner is free. The remapping of a step whose blocks come back
+  // where they were becomes no driver call at all (pool_alias.cpp, parks_lent_units). Graph pools and
+  // MemPools never park (the bridge: unmapping a parked page may wait, which a capture forbids).
+  // Measured (README, "park_lent"): in lockstep at 1.05x on 2x H200, ckpt's step over
+  // expandable_segments' 0.994 -> 0.970 and bert's 0.859 -> 0.794, no steady driver call left; the
+  // lowest 0-OOM limits of the CPU replays unchanged (a roomy bound is never within 2% of the peak).
+  bool park_lent = true;
   int device = 0;             // only used in messages and to reject frees meant for another device
   // Shared with the other pools of a device, whose reserved bytes count against one limit
   // (set_limit); null: the pool has a budget of its own.
@@ -427,6 +440,9 @@ class Pool {
   // and the capped benches fit less with stitching (README, "Stitching under a bound"). Parked
   // aliases made before a bound was set stay valid: they are only ever taken back or unmapped.
   bool stitching() const;
+  // Whether units lent from draining blocks are parked at their old position (lend_aliases) rather
+  // than unmapped at their mark: while stitching, and under a roomy bound with option park_lent.
+  bool parks_lent_units() const;
   // The units of `source` (a draining block's pages) now back `target` (pages of the same count,
   // `unit_pages` a unit): each becomes a draining alias of its target, which takes over its aliases.
   void lend_aliases(Region* region, PageRun source, PageRun target, std::size_t unit_pages);

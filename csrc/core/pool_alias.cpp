@@ -18,7 +18,9 @@
 //    (its mark: recorded when it was parked, so that a wait, if any, is for that use and not for all
 //    the work queued), and the page is mapped as any unmapped page.
 //  - Lent draining units (map_from_draining, pool_drain.cpp) are parked at their mark instead of
-//    unmapped, as aliases of the block they were lent to.
+//    unmapped, as aliases of the block they were lent to: while stitching, and under a roomy cap or
+//    limit with PoolOptions::park_lent (parks_lent_units), where the pool stitches nothing new but a
+//    step's blocks that come back where they were take their units back without a driver call.
 // The owner of a unit with aliases: when its own pages go back to the device (a draining block that
 // was not lent, at its mark), its parked aliases are unmapped with it (the device is past them: the
 // block drains behind their marks too, start_draining), so the memory really goes back; the destructor unmaps
@@ -188,6 +190,8 @@ void Pool::take_back_parked(Block* block) {
 bool Pool::stitching() const {
   return options_.stitch && options_.cap_bytes == 0 && budget_->limit() == Budget::kNoLimit;
 }
+
+bool Pool::parks_lent_units() const { return stitching() || (options_.park_lent && bound_is_roomy()); }
 
 std::size_t Pool::map_from_free(Region* region, PageRun run, std::size_t unit, PageRun keep_out) {
   PageMap& pages = region->pages;

@@ -114,9 +114,10 @@ std::size_t Pool::reap_drained(bool wait_oldest, bool rethrow) {
     const PageRun span = notify_unmapping_run(region, run);  // span trackers hear before the unmap
     bool parked = false;  // a lent block whose units' owners all hold them still (pool_alias.cpp)
     try {
-      // Parked where its units still have their owners (stitching when it was lent); else its
-      // parked aliases go back with it (a block lent unrecorded, under a bound, may own some).
-      if (lent && options_.stitch) parked = park_drained(region, block, it->seq);
+      // Parked where its units still have their owners (stitching, or park_lent under a roomy bound,
+      // when it was lent: parks_lent_units); else its parked aliases go back with it (a block lent
+      // unrecorded, under a bound, may own some).
+      if (lent && (options_.stitch || options_.park_lent)) parked = park_drained(region, block, it->seq);
       if (!parked) {
         drop_aliases_of(region, run);
         upstream_->unmap(block->address, block->size, pages.unit_bytes(run.first));  // units of one size
@@ -190,7 +191,7 @@ std::size_t Pool::map_from_draining(Region* region, PageRun run, std::size_t uni
     if (!upstream_->map_from(address, source->address, take, unit)) break;  // fresh memory instead
     const std::size_t page = pages.page();
     const PageRun now{run.first + mapped / page, run.first + (mapped + take) / page};
-    if (stitching()) lend_aliases(region, pages.touched(source->address, take), now, unit / page);
+    if (parks_lent_units()) lend_aliases(region, pages.touched(source->address, take), now, unit / page);
     if (take < source->size) {  // the rest drains on, behind the same mark
       Block* rest = split_off(source, take);
       rest->state = BlockInfo::kDraining;

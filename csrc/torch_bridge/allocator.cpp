@@ -118,6 +118,7 @@ std::unique_ptr<Pool> GpumemAllocator::make_pool(int device, MempoolId id, Relea
   options.stitch_slack = cfg.stitch_slack;
   options.ends_by_page = cfg.ends_by_page;
   options.early_ends_by_page = cfg.early_ends_by_page;
+  options.park_lent = cfg.park_lent && id == kDefaultPool;  // parks as stitching does: never in a capture
   options.device = device;
   options.budget = devices_[device].budget;  // one limit for all the device's pools, as torch's
   auto pool = std::make_unique<Pool>(std::move(upstream), options);

@@ -31,6 +31,11 @@ Keys (comma separated, ``key:value`` or ``key=value``):
                optimizer state, which live as long as the run) map their end pages as ``ends_by_page``
                does; 0 never. Fits tighter caps without ``ends_by_page``'s steady cost in driver calls
                at 1.05x; more calls in the first pass (README, Benchmarks, "early_ends_by_page")
+``park_lent``  vmm: ``true`` (default) or ``false``: under a cap or a memory fraction that is roomy (2%
+               above the settled live high water), memory moved from freed pages to a new block stays
+               mapped at its old place too, so a later block there takes it back with no driver call
+               while it is free again, as ``stitch`` does without a bound: fewer remaps a step at
+               1.05x (README, Benchmarks, "park_lent")
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """
@@ -57,6 +62,7 @@ class Config(TypedDict):
     stitch_slack: float  # vmm, stitch: how far reserved may grow past the live high water first (0.01)
     ends_by_page: bool  # vmm, bounded: a block's end groups mapped page by page (false)
     early_ends_by_page: float  # vmm, bounded: so are those of blocks mapped below this share of it (0.1)
+    park_lent: bool  # vmm, roomy bound: moved memory stays mapped at its old place too (true)
 
 
 def parse_config(text: str, source: str = "GPUMEM_CONF") -> Config:

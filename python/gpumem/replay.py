@@ -107,6 +107,7 @@ def replay(
     stitch_slack: Optional[float] = None,
     ends_by_page: bool = False,
     early_ends_by_page: Optional[float] = None,
+    park_lent: bool = True,
 ) -> ReplayReport:
     """Replay ``trace`` through a fresh pool on a simulated device and report what happened.
 
@@ -131,6 +132,8 @@ def replay(
     pages are mapped one by one rather than in whole groups), ``early_ends_by_page`` the pool's option
     of that name (``GPUMEM_CONF`` ``early_ends_by_page``; None: the pool's default, 0.1: so are those
     of the blocks mapped while the live high water is below that fraction of the limit; 0: never).
+    ``park_lent`` is the pool's option of that name (``GPUMEM_CONF`` ``park_lent``, on by default:
+    under a roomy limit, units moved from draining pages to a new block stay mapped where they were).
     Raises ``ValueError`` with ``file:line`` for a malformed trace.
     """
     if isinstance(device_lag, bool) or not isinstance(device_lag, int) or device_lag < 0:
@@ -158,7 +161,7 @@ def replay(
     if early_ends_by_page is not None:
         options["early_ends_by_page"] = early_ends_by_page
     pool = _C.Pool(device, release=release, page_size=page_size, stitch=bool(stitch),
-                   ends_by_page=bool(ends_by_page), **options)
+                   ends_by_page=bool(ends_by_page), park_lent=bool(park_lent), **options)
     if limit is not None:
         pool.set_limit(limit)
     clock = device if device_lag else None

@@ -18,6 +18,22 @@ def clean_env(**extra):
     return env
 
 
+def child_facts(code, conf, *args, timeout=300):
+    """Runs ``python -c code *args`` with ``GPUMEM_CONF=conf`` (nothing else of gpumem's settings) and
+    returns the dict of its ``FACTS {json}`` line; a child that fails fails the test with its stderr.
+    Skips the test without a CUDA GPU."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    r = subprocess.run([sys.executable, "-c", code, *args], env=clean_env(GPUMEM_CONF=conf),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("FACTS "))
+    return json.loads(line[len("FACTS "):])
+
+
 def start(cmd, env, cwd=None):
     """The child in a new session (its own process group), stdout and stderr captured as text."""
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

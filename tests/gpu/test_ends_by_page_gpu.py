@@ -18,12 +18,9 @@ allocator, with ends_by_page, with the defaults and with early_ends_by_page:0:
 
 Run: pytest -m gpu tests/gpu/test_ends_by_page_gpu.py"""
 import functools
-import json
-import subprocess
-import sys
 
 import pytest
-from _run import clean_env
+from _run import child_facts
 
 CHILD = r"""
 import json, random
@@ -93,15 +90,7 @@ print("FACTS " + json.dumps(facts))
 
 @functools.lru_cache(maxsize=None)
 def run_child(conf):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    r = subprocess.run([sys.executable, "-c", CHILD], env=clean_env(GPUMEM_CONF=conf), capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = next(x for x in r.stdout.splitlines() if x.startswith("FACTS "))
-    return json.loads(line[len("FACTS "):])
+    return child_facts(CHILD, conf)
 
 
 @pytest.mark.gpu

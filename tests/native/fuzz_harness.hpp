@@ -47,16 +47,19 @@ class Harness {
     // default), none, or below half of it map their end groups page by page (early_ends_by_page)
     static const double kEarly[3] = {0.1, 0.0, 0.5};
     o.early_ends_by_page = kEarly[(b1 + b2) % 3];
+    // b1's bit 6: under a roomy cap or limit, units lent while draining parked where they were
+    // (option park_lent, pool_alias.cpp)
+    o.park_lent = (b1 & 64) != 0;
     pool_ = std::make_unique<Pool>(dev_, o);
     pool_->add_oom_callback([this] { on_oom(); });
     dev_->spans = &spans_;
     pool_->set_segment_observer([this](SegmentEvent e, std::uintptr_t a, std::size_t n, StreamId) { on_span(e, a, n); });
     describe("setup kind=%s release=%s page=%zu large page=%zu capacity=%zu cap=%zu auto_complete=%d stitch=%d "
-             "lag=%zu ends_by_page=%d early_ends_by_page=%.1f",
+             "lag=%zu ends_by_page=%d early_ends_by_page=%.1f park_lent=%d",
              kind_ == UpstreamKind::kPages ? "pages" : "segments",
              release_ == ReleasePolicy::kLazy ? "lazy" : "high_water", page_, o.large_page_bytes,
              capacity_, cap_, int(dev_->auto_complete()), int(o.stitch), std::size_t(dev_->lag()),
-             int(o.ends_by_page), o.early_ends_by_page);
+             int(o.ends_by_page), o.early_ends_by_page, int(o.park_lent));
     check_state();
   }
 

@@ -109,9 +109,10 @@ def main(argv=None) -> int:
                          "pool's, 0.1): under a bound, the blocks mapped while the live high water is below F "
                          "of it map their end pages one by one; 0 never")
     ap.add_argument("--no-park-lent", dest="park_lent", action="store_false",
-                    help="the pool's park_lent option off (GPUMEM_CONF park_lent:false; on by default: under a "
-                         "roomy bound, units lent while draining stay mapped where they were, taken back with "
-                         "no driver call), as in the README's figures of this bench measured before 2026-11-28")
+                    help="the pool's park_lent option off (GPUMEM_CONF park_lent:false; on by default: "
+                         "under a roomy bound, units lent while draining stay mapped where they were, "
+                         "taken back with no driver call), as in the README's figures of this bench "
+                         "measured before 2026-11-28")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")
     ap.add_argument("--bound", default="capacity", choices=("capacity", "limit", "device"),

@@ -320,7 +320,8 @@ def test_memory_held_outside_the_pool_bounds_it_and_when_it_goes_the_pool_grows_
     path = Path(__file__).resolve().parents[1] / "bench" / "traces" / "bert.trace.gz"
     peak = gpumem.replay(path, stitch=False).peak_live_bytes
     outside = DEFAULT_CAPACITY - int(1.05 * peak)
-    held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3, stitch=False, park_lent=False)
+    held = gpumem.replay(path, held_elsewhere=outside, device_lag=100, passes=3, stitch=False,
+                         park_lent=False)
     limited = gpumem.replay(path, limit=int(1.05 * peak), device_lag=100, passes=3, stitch=False,
                             park_lent=False)
     assert held.ooms == 0 and held.peak_reserved_bytes <= int(1.05 * peak)

@@ -11,12 +11,13 @@ passes under a fraction of 1.05x that peak, the tensors the trace never frees (w
 a training run's later epochs do. The same child runs with the default and with park_lent:false:
 
 every tensor holds its value, no pass meets an out-of-memory error, reserved stays under the fraction,
-and the cache empties to nothing at the end. Each pass's driver calls and driver ms (gpumem.stats(),
-gpumem.driver_time()) are printed, not asserted: what the option saves is measured by the lockstep
-bench (README, "park_lent"), not by a test. On this replay (one H200, 2026-11-28) the option made
-more driver calls than without it, 948 / 607 / 994 / 371 a pass against 297 / 97 / 73 / 111 (a parked
-place whose unit is in use elsewhere is unmapped one unit a call, where a draining block's units go
-in one call), in less of the driver's time: 365 / 119 / 178 / 58 ms against 489 / 208 / 135 / 279.
+and the cache empties to nothing at the end. Each pass's map and unmap requests and driver ms
+(gpumem.stats() num_device_alloc + num_device_free, gpumem.driver_time()) are printed, not asserted:
+what the option saves is measured by the lockstep bench (README, "park_lent"), not by a test. On this
+replay (one H200, 2026-11-28) the option made more requests than without it, 948 / 607 / 994 / 371 a
+pass against 297 / 97 / 73 / 111 (a parked place whose unit is in use elsewhere is one request per
+unit, a draining block's units one request; the CUDA upstream makes one cuMemUnmap per unit either
+way), in less of the driver's time: 365 / 119 / 178 / 58 ms against 489 / 208 / 135 / 279.
 
 Run: pytest -m gpu tests/gpu/test_park_lent_gpu.py"""
 import functools
@@ -41,7 +42,7 @@ for line in gzip.open(sys.argv[1], "rt"):
 freed = {slot for kind, slot, _ in ops if kind == "f"}
 live, kept = {}, {}
 
-def calls():  # driver calls so far (maps, unmaps) and the driver's ms: maps, unmaps, waits for the device
+def calls():  # the pool's map and unmap requests so far, and the driver's ms: maps, unmaps, waits
     s, t = gpumem.stats(), gpumem.driver_time()
     ms = sum(t[k]["ms"] for k in ("map", "unmap", "wait") if k in t)
     return int(s["num_device_alloc"]) + int(s.get("num_device_free", 0)), ms

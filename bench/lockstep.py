@@ -41,7 +41,8 @@ group from starting another round once its compared rounds have taken that many 
 counted; at least one compared round is run); --rounds caps it. --device cpu runs each workload tiny
 on the CPU with no allocator (every worker the same code; the path CI covers).
 
-Writes every round's figures and each worker's final JSON line (its peaks) with --json. --from-json
+Writes every round's figures and each worker's final JSON line (its peaks) with --json, the whole file
+again after every round: a run cut short leaves the rounds it finished (its group marked "cut"). --from-json
 prints the tables of such files again, several runs' rounds of a workload pooled (the README's figures
 over several calls: bench/results/).
 """
@@ -155,10 +156,11 @@ class Worker:
         return self.final
 
 
-def run_group(workload: str, allocators: list, fraction_of: dict, args, log) -> dict:
+def run_group(workload: str, allocators: list, fraction_of: dict, args, log, after_round=None) -> dict:
     """One group: every allocator's worker alive together, round 0 then up to --rounds compared rounds
     in rotating order. `fraction_of[a]`: its set_per_process_memory_fraction (None: uncapped).
-    Returns {allocator: {"rounds": [PASS figures or None per round], "error", "final"}}."""
+    Returns {allocator: {"rounds": [PASS figures or None per round], "error", "final"}}; `after_round`,
+    if given, gets the group so far after each round (no final figures yet)."""
     workers = [Worker(workload, a, args.rounds + 1, fraction_of.get(a), args.device) for a in allocators]
     rounds: dict = {w.allocator: [] for w in workers}
     t0 = 0.0  # set as round 1 starts: the budget is the compared rounds'
@@ -181,6 +183,8 @@ def run_group(workload: str, allocators: list, fraction_of: dict, args, log) -> 
         done = "  ".join(f"{a} {fmt((p or {}).get('step_ms'), '.1f')}" for a, p in
                          ((a, rounds[a][-1]) for a in allocators))
         log(f"  round {r}{' (first pass, not compared)' if r == 0 else ''}: {done}")
+        if after_round is not None:
+            after_round({a: dict(rounds=list(rounds[a]), final={}, error=None) for a in allocators})
         r += 1
     return {w.allocator: dict(rounds=rounds[w.allocator], final=w.finish(), error=w.error) for w in workers}
 
@@ -369,8 +373,11 @@ def from_json(paths: list, reference: str | None) -> int:
                 if not group:
                     raise KeyError(f"{label}: no allocator common to every file's group")
                 s = summarize(group, capped=runs[0][w][label].get("cap") is not None, reference=reference)
-                print(table(w, f"{label} ({len(runs)} runs merged)" if len(runs) > 1 else label, s),
-                      flush=True)
+                name = f"{label} ({len(runs)} runs merged)" if len(runs) > 1 else label
+                cut = sum(bool(run[w][label].get("cut")) for run in runs)
+                if cut:  # a run ended during this group: the rounds it finished, no final figures
+                    name += f" (cut short in {cut} of {len(runs)} runs)" if len(runs) > 1 else " (cut short)"
+                print(table(w, name, s), flush=True)
                 printed += 1
         except (KeyError, TypeError, AttributeError, statistics.StatisticsError) as e:
             print(f"lockstep: {w}: not a lockstep --json group ({e!r})", file=sys.stderr)
@@ -382,6 +389,18 @@ def from_json(paths: list, reference: str | None) -> int:
         print("lockstep: --from-json: no workload and group common to every file", file=sys.stderr)
         return 2
     return 0
+
+
+def save_json(path: str | None, out: dict) -> None:
+    """--json: the figures so far, written whole after every round (a file beside it, then renamed), so
+    that a run cut short (a GPU call's time limit) leaves every round it finished. A group still running
+    says "cut": true and has no final figures (no reserved / allocated column)."""
+    if not path:
+        return
+    tmp = f"{path}.part"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -406,14 +425,17 @@ def main(argv=None) -> int:
                 share = cap * first["max_allocated"] / first["total_bytes"]
                 fractions = {a: min(1.0, share) for a in allocators}
             log(f"{w} {label}: {', '.join(allocators)}, up to {args.rounds} rounds")
-            group = run_group(w, allocators, fractions, args, log)
-            s = summarize(group, capped=cap is not None, reference=args.reference)
-            out[w][label] = dict(group=group, summary=s, cap=cap, fractions=fractions)
+
+            def keep(group, w=w, label=label, cap=cap, fractions=fractions, cut=True):
+                s = summarize(group, capped=cap is not None, reference=args.reference)
+                out[w][label] = dict(group=group, summary=s, cap=cap, fractions=fractions, cut=cut)
+                save_json(args.json, out)
+                return s
+
+            group = run_group(w, allocators, fractions, args, log, after_round=keep if args.json else None)
+            s = keep(group, cut=False)
             tables.append(table(w, label, s))
             print(tables[-1], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     failed = [(w, a) for w in out for g in out[w].values() for a, v in g["group"].items() if v["error"]]
     return 1 if failed else 0
 

@@ -44,11 +44,44 @@ def test_workers_take_turns_through_every_round_on_the_cpu(tmp_path):
             assert v["error"] is None and len(v["rounds"]) == 4, (w, a)
             assert all(p["step_ms"] > 0 for p in v["rounds"])
             assert len(v["final"]["pass_step_ms"]) == 4  # the worker's own record of the same passes
+        assert data[w]["uncapped"]["cut"] is False
         s = data[w]["uncapped"]["summary"]
         assert s["compared_rounds"] == 3 and s["reference"] == "native"
         assert len(s["allocators"]["gpumem"]["ratios"]) == 3
         assert f"{w} uncapped: 3 rounds compared; reference native" in r.stdout
     assert "round 0 (first pass, not compared)" in r.stderr and "round 3:" in r.stderr
+
+
+def test_a_run_cut_short_leaves_every_round_it_finished(tmp_path):
+    """--json is written again after every round: a run killed mid-group (a GPU call's time limit) leaves
+    the rounds it finished, the group marked cut, and --from-json prints them, saying so."""
+    import time
+
+    out = tmp_path / "ls.json"
+    proc = subprocess.Popen([sys.executable, str(BENCH / "lockstep.py"), "--device", "cpu", "--workloads",
+                             "allocfree", "--allocators", "native,gpumem", "--rounds", "10000", "--budget-s",
+                             "300", "--json", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        rounds = 0
+        while rounds < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            try:
+                group = json.loads(out.read_text())["allocfree"]["uncapped"]["group"]
+                rounds = len(group["native"]["rounds"])
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                pass  # not written yet (the file is renamed into place whole: never half written)
+        assert rounds >= 4, "no rounds written while the run went on"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    saved = json.loads(out.read_text())["allocfree"]["uncapped"]
+    assert saved["cut"] is True and saved["group"]["gpumem"]["final"] == {}
+    n = len(saved["group"]["native"]["rounds"])
+    assert n >= 4 and len(saved["group"]["gpumem"]["rounds"]) == n
+    r = run("--from-json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"allocfree uncapped (cut short): {n - 1} rounds compared" in r.stdout
 
 
 def test_the_budget_ends_a_group_after_one_compared_round_and_the_workers_exit_cleanly(tmp_path):

@@ -177,12 +177,14 @@ def test_vmm_unit_costs_saved_run_gives_the_readmes_table():
     table = table[:table.index("A unit's cost does not depend")]
     how = {"per unit": "one per unit", "whole run": "access and unmap once over the run",
            "whole run, busy": "as above, ~41 ms of work queued on the device"}
+    def cells(r):  # a row's five costs as the table prints them
+        return " | ".join(f"{r[k]:.1f}" for k in ("create", "map", "access", "unmap", "release"))
+
     quoted = 0
     for r in rows:
         if r["how"] not in how or (r["how"] == "whole run, busy" and r["unit_mib"] != 8):
             continue
-        cells = " | ".join(f"{r[k]:.1f}" for k in ("create", "map", "access", "unmap", "release"))
-        assert f"| {r['unit_mib']} MiB | {how[r['how']]} | {cells} |" in table, (r, cells)
+        assert f"| {r['unit_mib']} MiB | {how[r['how']]} | {cells(r)} |" in table, (r, cells(r))
         quoted += 1
     assert quoted == 5
     assert all(r["whole_unmap_accepted"] for r in rows if r["how"].startswith("whole run"))
@@ -194,8 +196,7 @@ def test_vmm_unit_costs_saved_run_gives_the_readmes_table():
         saved = json.loads((BENCH / "results" / "vmm-unit-costs-2026-11-28" / name).read_text())
         assert saved["gpu"] == "NVIDIA H100 80GB HBM3"
         (r,) = [r for r in saved["rows"] if r["how"] == how_]
-        cells = " | ".join(f"{r[k]:.1f}" for k in ("create", "map", "access", "unmap", "release"))
-        assert f"{label} {cells} |" in table, (name, how_, cells)
+        assert f"{label} {cells(r)} |" in table, (name, how_, cells(r))
 
 
 def test_host_cost_saved_run_gives_the_readmes_table():

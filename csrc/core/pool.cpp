@@ -262,7 +262,8 @@ bool Pool::commit_allocation(Block* block, bool release_and_retry) {
 }
 
 // Best fit among the arena's free blocks, or on a paged upstream a larger one that needs fewer pages
-// mapped (fewest_unmapped_fit); on a segments upstream, a new segment when none fits.
+// mapped (fewest_unmapped_fit) or, in a small arena, opens fewer empty pages and slots (packed_fit);
+// on a segments upstream, a new segment when none fits.
 Pool::Block* Pool::take_free_block(Arena& arena, std::size_t rounded) {
   Block* block = arena.free_blocks.best_fit(rounded);
   if (!block) {
@@ -281,7 +282,7 @@ Pool::Block* Pool::take_free_block(Arena& arena, std::size_t rounded) {
     block = arena.free_blocks.best_fit(rounded);
     if (!block) return nullptr;
   }
-  block = fewest_unmapped_fit(arena, block, rounded);
+  block = packs(arena) ? packed_fit(arena, block, rounded) : fewest_unmapped_fit(arena, block, rounded);
   arena.free_blocks.erase(block);
   return block;
 }

@@ -19,7 +19,10 @@
 //    rather than released and created again. When the best fit needs pages mapped, a larger free
 //    block that needs fewer takes the block (Pool::fewest_unmapped_fit), and within its free block it
 //    goes where it needs the fewest (Pool::place). Free pages anywhere in it can be unmapped, so free
-//    memory in the middle of a region goes back to the device ("reserved" = mapped pages).
+//    memory in the middle of a region goes back to the device ("reserved" = mapped pages). Small
+//    arenas pack instead (Pool::packed_fit): a block of exactly 1 MiB (a slot, half a page) starts on
+//    a slot boundary, and a block goes where it opens the fewest pages, then slots, that no other
+//    block uses, so that their live bytes pin few pages.
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
 //  - Release policy "lazy" (default): free pages stay cached (mapped) for reuse until trim(), or until
 //    the cap or the device runs short: then fully free pages anywhere, even between live blocks, are
@@ -193,6 +196,9 @@ class Pool {
   using SegmentObserver =
       std::function<void(SegmentEvent event, std::uintptr_t address, std::size_t bytes, StreamId stream)>;
   static constexpr std::size_t kNoLimit = Budget::kNoLimit;
+  // Half of CUDA's 2 MiB page: small arenas place a block of exactly this size on a slot boundary, and keep
+  // smaller blocks out of empty slots where they can (pool_map.cpp, packed_placement).
+  static constexpr std::size_t kSlotBytes = 1 * MiB;
 
   explicit Pool(std::shared_ptr<Upstream> upstream, PoolOptions options = {});
   ~Pool();
@@ -396,6 +402,10 @@ class Pool {
   Arena& find_arena(StreamId stream, bool small);  // finds or adds it, and remembers it as the last
   Block* take_free_block(Arena& arena, std::size_t rounded);
   Block* fewest_unmapped_fit(const Arena& arena, Block* best, std::size_t rounded) const;
+  // Small arenas on a paged upstream: the free block that takes `rounded` bytes so that they open the
+  // fewest empty pages, then the fewest empty slots (pool_map.cpp, packed_placement).
+  bool packs(const Arena& arena) const { return arena.small && upstream_->kind() == UpstreamKind::kPages; }
+  Block* packed_fit(const Arena& arena, Block* best, std::size_t rounded) const;
   Block* place(Arena& arena, Block* block, std::size_t rounded);
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);

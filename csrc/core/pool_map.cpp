@@ -1,9 +1,10 @@
 // Placing a block and mapping its pages on a paged upstream: which free block takes it when the best
-// fit needs pages mapped (Pool::fewest_unmapped_fit), where in its free block it goes (Pool::place,
-// the fewest unmapped pages), which physical units back it (ensure_mapped: whole groups of pages
+// fit needs pages mapped (Pool::fewest_unmapped_fit) or, in a small arena, so that it opens the fewest
+// empty pages and slots (Pool::packed_fit), where in its free block it goes (Pool::place: the fewest
+// unmapped pages, or packed), which physical units back it (ensure_mapped: whole groups of pages
 // while they fit; near the cap, single device pages except the groups a large block covers whole;
-// page_map.hpp says what a unit is), and
-// the span events of maps and unmaps (SegmentEvent). pool.hpp lists every file.
+// page_map.hpp says what a unit is), and the span events of maps and unmaps (SegmentEvent). pool.hpp
+// lists every file.
 #include <algorithm>
 
 #include "pool.hpp"

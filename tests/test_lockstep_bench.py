@@ -309,3 +309,25 @@ def test_the_park_lent_figures_come_from_the_saved_runs():
     section = readme[readme.index("**park_lent: what a step at 1.05x remaps"):][:6000]
     for workload, (off, on) in quoted.items():
         assert f"| {off} (" in section and f"/ **{on}** (" in section, workload
+
+
+def test_the_packed_small_figures_come_from_the_saved_runs():
+    """README, "Packed small arenas": allocfree in lockstep on one H100, gpumem over the reference
+    0.9456 uncapped and 0.8914 at 1.05x, and the pressure search's lowest fractions, from the saved
+    runs, quoted by the README."""
+    saved = BENCH / "results" / "packed-small-2026-12-06"
+    r = run("--from-json", str(saved / "allocfree_lockstep.json.gz"))
+    assert r.returncode == 0, r.stderr
+    uncapped, capped = r.stdout.split("allocfree at 1.05x")
+    ratio = {name: next(line.split()[3] for line in text.splitlines() if line.startswith("gpumem"))
+             for name, text in (("uncapped", uncapped), ("1.05x", capped))}
+    assert ratio == {"uncapped": "0.9456", "1.05x": "0.8914"}
+    with gzip.open(saved / "allocfree_pressure.json.gz", "rt") as f:
+        rows = json.load(f)["results"]["allocfree"]["rows"]
+    lowest = {row["allocator"]: row["lowest_cap"] for row in rows}
+    readme = (BENCH.parent / "README.md").read_text()
+    section = readme[readme.index("**Packed small arenas**"):][:9000]
+    for figure in ratio.values():
+        assert f"**{figure}**" in section
+    for allocator, cap in lowest.items():
+        assert f"{cap:.4f}" in section, allocator

@@ -3,6 +3,7 @@ and bench/remap_at_cap.py read), from PyTorch's own allocator's memory history.
 
     python bench/record_trace.py fbs_bert bench/traces/fbs_bert.trace.gz
     python bench/record_trace.py varlen bench/traces/varlen.trace.gz
+    python bench/record_trace.py allocfree af.trace.gz --seed 3    # no GPU: see below
 
 Workloads: a bench/pressure_workloads.py workload (all its steps: moe, bert, generate, ckpt, varlen,
 resnet, vit, allocfree), or a batch-size bench step at the size gpumem's finder chose on one H100:
@@ -19,7 +20,9 @@ two H200s, torch 2.11.0+cu130, 2026-11-27; the recording script is not in the re
 allocfree's requests depend on nothing but its seeded random numbers, so its trace is written from
 them (pressure_workloads.allocfree_plan), on any machine, without torch: the same sizes (rounded to
 512 bytes, as PyTorch's allocator records them) and frees, in the order the workload makes them, and
-at the end the frees of the tensors the next pass's first step drops.
+at the end the frees of the tensors the next pass's first step drops. ``--seed N`` writes the requests
+the workload would make with another seed (the bench's own are seed 0): the README's "Packed small
+arenas" replays seven.
 """
 import argparse
 import gzip
@@ -115,13 +118,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", choices=sorted(FBS) + list(pw.WORKLOADS))
     ap.add_argument("out", help="the trace file to write (.gz: gzip)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="allocfree only: the seed of its random requests (default 0, the bench's)")
     args = ap.parse_args(argv)
+    if args.seed is not None and args.workload != "allocfree":
+        ap.error("--seed is allocfree's: the other workloads are recorded as they run on the GPU")
     if not Path(args.out).resolve().parent.is_dir():  # before a recording that takes minutes
         ap.error(f"the folder for {args.out} does not exist")
     if args.workload == "allocfree":
-        lines, allocations, peak = allocfree_trace()
-        write_trace(args.out, f"# workload allocfree (written from its seeded requests, no GPU) allocs "
-                              f"{allocations} peak_live_bytes {peak}", lines)
+        seed = 0 if args.seed is None else args.seed
+        lines, allocations, peak = allocfree_trace(seed)
+        write_trace(args.out, f"# workload allocfree (written from its seeded requests, seed {seed}, no GPU) "
+                              f"allocs {allocations} peak_live_bytes {peak}", lines)
         print(f"allocfree: {allocations} allocations, peak live {peak / 2**30:.3f} GiB -> {args.out}")
         return 0
     import torch

@@ -476,3 +476,26 @@ def test_record_trace_writes_allocfree_from_its_seeded_requests_without_a_gpu(tm
     # A folder that does not exist is refused before anything is recorded, in one line.
     r = run([BENCH / "record_trace.py", "allocfree", tmp_path / "missing" / "af.trace.gz"], cwd=tmp_path)
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_record_trace_writes_allocfree_with_another_seed(tmp_path):
+    """--seed N: the requests allocfree makes with that seed (the README's "Packed small arenas" replays
+    seven), its header naming the seed; refused for the workloads recorded on the GPU."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import record_trace
+    finally:
+        sys.path.remove(str(BENCH))
+    traces = {}
+    for seed in (None, 0, 3):
+        out = tmp_path / f"af{seed}.trace"
+        r = run([BENCH / "record_trace.py", "allocfree", out] + ([] if seed is None else ["--seed", str(seed)]),
+                cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        header, *body = out.read_text().splitlines()
+        assert f"seed {0 if seed is None else seed}," in header
+        traces[seed] = body
+    assert traces[None] == traces[0] != traces[3]
+    assert traces[3] == record_trace.allocfree_trace(3)[0]
+    r = run([BENCH / "record_trace.py", "varlen", tmp_path / "v.trace", "--seed", "3"], cwd=tmp_path)
+    assert r.returncode == 2 and "--seed is allocfree's" in r.stderr and "Traceback" not in r.stderr

@@ -196,8 +196,8 @@ class Pool {
   using SegmentObserver =
       std::function<void(SegmentEvent event, std::uintptr_t address, std::size_t bytes, StreamId stream)>;
   static constexpr std::size_t kNoLimit = Budget::kNoLimit;
-  // Half of CUDA's 2 MiB page: small arenas place a block of exactly this size on a slot boundary, and keep
-  // smaller blocks out of empty slots where they can (pool_map.cpp, packed_placement).
+  // Half of CUDA's 2 MiB page: small arenas place a block of exactly this size on a slot boundary,
+  // and keep smaller blocks out of empty slots where they can (pool_map.cpp, packed_placement).
   static constexpr std::size_t kSlotBytes = 1 * MiB;
 
   explicit Pool(std::shared_ptr<Upstream> upstream, PoolOptions options = {});

@@ -89,8 +89,8 @@ Pool::Block* Pool::fewest_unmapped_fit(const Arena& arena, Block* best, std::siz
 template <typename Block>
 static std::size_t empty_units_touched(const Block* b, std::uintptr_t start, std::size_t bytes,
                                        std::size_t unit) {
-  std::size_t n = 0;
   if (b->size < unit) return 0;  // most holes: none fits whole
+  std::size_t n = 0;
   for (std::uintptr_t u = start / unit * unit; u < start + bytes; u += unit)
     n += u >= b->address && u + unit <= b->address + b->size;
   return n;
@@ -98,8 +98,8 @@ static std::size_t empty_units_touched(const Block* b, std::uintptr_t start, std
 
 // Where a small arena's block of `rounded` bytes goes in the free block `b`, and what it opens there:
 // pages and slots (half pages) that nothing used before it. A block of exactly a slot goes on a slot
-// boundary, the first or the last in `b` (none: `fits` false); a smaller one at the start of `b` or,
-// in a hole between other blocks, at its end, whichever opens fewer (the start on a tie).
+// boundary (none: `fits` false), a smaller one at the start of `b`; in a hole between other blocks,
+// the last slot boundary or the end instead where that opens fewer (the first on a tie).
 struct PackedPlacement {
   std::uintptr_t address;
   std::size_t empty_pages;
@@ -121,6 +121,7 @@ static PackedPlacement packed_placement(const Block* b, std::size_t rounded, std
     const std::uintptr_t first = round_up(b->address, slot);
     if (first + rounded > end) return {0, 0, 0, false};
     const PackedPlacement at_first = at(first);
+    if (!b->next) return at_first;  // the region's free tail: its last slot is the range's far end
     const PackedPlacement at_last = at((end - rounded) / slot * slot);
     return opens_fewer(at_last, at_first) ? at_last : at_first;
   }

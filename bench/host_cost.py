@@ -54,15 +54,16 @@ def measure(allocator: str, sizes: list[int], pairs: int, rounds: int, live: int
             per_round.append((time.perf_counter_ns() - t0) / pairs)
         out["single"][str(size)] = statistics.median(per_round)
         per_round = []
+        batches = max(1, pairs // live)  # of `live` tensors each: about `pairs` pairs in all
         for _ in range(rounds):
             held = [None] * live
             t0 = time.perf_counter_ns()
-            for _ in range(max(1, pairs // live)):
+            for _ in range(batches):
                 for i in range(live):
                     held[i] = torch.empty(size, dtype=torch.uint8, device="cuda")
                 for i in order:
                     held[i] = None
-            per_round.append((time.perf_counter_ns() - t0) / (max(1, pairs // live) * live))
+            per_round.append((time.perf_counter_ns() - t0) / (batches * live))
         out["churn"][str(size)] = statistics.median(per_round)
     return out
 

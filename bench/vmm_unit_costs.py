@@ -65,6 +65,7 @@ class Driver:
         self.check(self.cu.cuInit(0), "cuInit")
         dev = ctypes.c_int()
         self.check(self.cu.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+        self.device = dev  # the driver's handle of the device: main() asks its name
         ctx = ctypes.c_void_p()
         self.check(self.cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
         self.check(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
@@ -205,9 +206,7 @@ def main(argv=None) -> int:
     version = ctypes.c_int()
     d.cu.cuDriverGetVersion(ctypes.byref(version))
     gpu_name = ctypes.create_string_buffer(256)
-    dev = ctypes.c_int()
-    d.cu.cuDeviceGet(ctypes.byref(dev), args.device)
-    d.cu.cuDeviceGetName(gpu_name, 256, dev)
+    d.cu.cuDeviceGetName(gpu_name, 256, d.device)
     gpu = gpu_name.value.decode()
     rows = []
     for mib in sizes:

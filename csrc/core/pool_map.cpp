@@ -109,6 +109,13 @@ struct PackedPlacement {
 static bool opens_fewer(const PackedPlacement& x, const PackedPlacement& y) {
   return x.empty_pages != y.empty_pages ? x.empty_pages < y.empty_pages : x.empty_slots < y.empty_slots;
 }
+static bool opens_nothing(const PackedPlacement& p) { return p.empty_pages == 0 && p.empty_slots == 0; }
+// Whether `rounded` bytes in the free block `b` can open an empty page or slot at all: not in a hole
+// smaller than a slot (the fast path of packed_fit and place) unless they are a slot-sized block.
+template <typename Block>
+static bool may_open_empty(const Block* b, std::size_t rounded, std::size_t slot) {
+  return rounded == slot || b->size >= slot;
+}
 template <typename Block>
 static PackedPlacement packed_placement(const Block* b, std::size_t rounded, std::size_t page,
                                         std::size_t slot) {
@@ -126,8 +133,7 @@ static PackedPlacement packed_placement(const Block* b, std::size_t rounded, std
     return opens_fewer(at_last, at_first) ? at_last : at_first;
   }
   const PackedPlacement at_start = at(b->address);
-  const bool opens_nothing = at_start.empty_pages == 0 && at_start.empty_slots == 0;
-  if (!b->next || b->size == rounded || opens_nothing) return at_start;
+  if (!b->next || b->size == rounded || opens_nothing(at_start)) return at_start;
   const PackedPlacement at_end = at(end - rounded);
   return opens_fewer(at_end, at_start) ? at_end : at_start;
 }
@@ -144,7 +150,7 @@ static PackedPlacement packed_placement(const Block* b, std::size_t rounded, std
 // but fbs_gen with a device behind). Only where the best fit is a free block of a slot or more (or
 // for a slot-sized block) is anything scanned.
 Pool::Block* Pool::packed_fit(const Arena& arena, Block* best, std::size_t rounded) const {
-  if (rounded != kSlotBytes && best->size < kSlotBytes) return best;
+  if (!may_open_empty(best, rounded, kSlotBytes)) return best;
   const std::size_t page = upstream_->page_size();
   Block* chosen = nullptr;
   PackedPlacement fewest{};
@@ -153,7 +159,7 @@ Pool::Block* Pool::packed_fit(const Arena& arena, Block* best, std::size_t round
   arena.free_blocks.for_each_fit(best->size, [&](Block* b) {
     const PackedPlacement p = packed_placement(b, rounded, page, kSlotBytes);
     if (p.fits && (!chosen || opens_fewer(p, fewest))) chosen = b, fewest = p;
-    return !(chosen && fewest.empty_pages == 0 && fewest.empty_slots == 0) && --budget != 0;
+    return !(chosen && opens_nothing(fewest)) && --budget != 0;
   });
   return chosen ? chosen : best;
 }
@@ -166,8 +172,7 @@ Pool::Block* Pool::packed_fit(const Arena& arena, Block* best, std::size_t round
 Pool::Block* Pool::place(Arena& arena, Block* block, std::size_t rounded) {
   const Region* region = block->region;
   if (packs(arena)) {
-    // A hole smaller than a slot holds no empty slot or page: its start, with no arithmetic.
-    if (rounded == kSlotBytes || block->size >= kSlotBytes) {
+    if (may_open_empty(block, rounded, kSlotBytes)) {  // else its start, with no arithmetic
       const PackedPlacement p = packed_placement(block, rounded, upstream_->page_size(), kSlotBytes);
       if (p.fits && p.address != block->address) {
         arena.free_blocks.insert(block);  // carve takes it out of the index again

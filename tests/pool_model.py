@@ -1,10 +1,13 @@
 """What a correct pool must agree with, shared by the pool tests (tests/test_pool*.py): live blocks,
 their sizes, nothing overlapping, nothing leaking, reserved never past the cap; and how they run
-operations on several threads at once."""
+operations on several threads at once; allocfree's requests as a trace."""
+import sys
 import threading
+from pathlib import Path
 
 MiB = 1 << 20
 GiB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def flat(stats, key, which="current"):
@@ -89,3 +92,18 @@ def random_size(rng):
     if kind < 0.9:
         return rng.randint(1 * MiB + 1, 64 * MiB)
     return rng.randint(64 * MiB, 600 * MiB)
+
+
+def allocfree_trace(tmp_path, seed):
+    """allocfree's requests on `seed` (bench/pressure_workloads.py: 256 B to 64 MiB, at most 32 alive),
+    written as a trace file under tmp_path by bench/record_trace.py; returns its path."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import record_trace
+    finally:
+        sys.path.pop(0)
+    lines, allocations, peak = record_trace.allocfree_trace(seed)
+    path = tmp_path / f"allocfree{seed}.trace"
+    header = f"# workload allocfree allocs {allocations} peak_live_bytes {peak}"
+    record_trace.write_trace(str(path), header, lines)
+    return path

@@ -5,14 +5,13 @@ reserved bytes are the pages that live blocks pin; these tests check the layouts
 its invariants under random work, and the README's figures for allocfree's requests."""
 import random
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from gpumem import _C
 from gpumem.replay import min_capacity
-from pool_model import GiB, MiB, Model
+from pool_model import GiB, MiB, Model, allocfree_trace
 
 PAGE = 2 * MiB
 SLOT = 1 * MiB
@@ -140,22 +139,9 @@ def test_randomized_small_blocks_keep_every_invariant_and_start_slots_on_their_b
 ALLOCFREE_LOWEST_LIMIT = {0: 1.0032, 1: 1.0030, 2: 1.0027, 3: 1.0021, 4: 1.0010, 5: 1.0032, 6: 1.0032}
 
 
-def _allocfree_trace(tmp_path, seed):
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import record_trace
-    finally:
-        sys.path.pop(0)
-    lines, allocations, peak = record_trace.allocfree_trace(seed)
-    path = tmp_path / f"allocfree{seed}.trace"
-    header = f"# workload allocfree allocs {allocations} peak_live_bytes {peak}"
-    record_trace.write_trace(str(path), header, lines)
-    return path
-
-
 @pytest.mark.parametrize("seed", sorted(ALLOCFREE_LOWEST_LIMIT))
 def test_allocfree_lowest_limits_are_the_readmes(tmp_path, seed):
-    found = min_capacity(_allocfree_trace(tmp_path, seed), tolerance=0.0005, bound="limit")
+    found = min_capacity(allocfree_trace(tmp_path, seed), tolerance=0.0005, bound="limit")
     assert not found.non_monotone
     assert round(found.ratio, 4) == ALLOCFREE_LOWEST_LIMIT[seed]
     readme = (ROOT / "README.md").read_text()

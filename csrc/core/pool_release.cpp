@@ -201,10 +201,22 @@ std::size_t Pool::release_cached(std::size_t target, bool rethrow) {
   return released;
 }
 
+// Large arenas go first, whatever order the arenas were made in. A small arena's free pages are the
+// ones small requests soon need again, and what they free is units a large block cannot be lent
+// (another region), so the large block waits for them to drain: releasing them first under a limit
+// made allocfree's CPU replay (seven seeds, device 100 operations behind, three passes) wait 552 /
+// 479 / 73 times at 1.01x / 1.02x / 1.03x; large arenas first, 27 / 34 / 4, and no lowest limit of
+// the 17 bundled and generated traces moves.
 std::size_t Pool::release_cached_units(std::size_t target) {
+  std::vector<Arena*> large_first;
+  large_first.reserve(arenas_.size());
+  for (auto& arena_ptr : arenas_)
+    if (!arena_ptr->small) large_first.push_back(arena_ptr.get());
+  for (auto& arena_ptr : arenas_)
+    if (arena_ptr->small) large_first.push_back(arena_ptr.get());
   std::size_t released = 0;
-  for (auto& arena_ptr : arenas_) {
-    Arena& arena = *arena_ptr;
+  for (Arena* arena_in_order : large_first) {
+    Arena& arena = *arena_in_order;
     if (released >= target) break;
     if (upstream_->kind() == UpstreamKind::kPages) {
       std::vector<Block*> candidates;  // only the large blocks can hold a whole page

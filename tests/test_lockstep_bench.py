@@ -331,3 +331,30 @@ def test_the_packed_small_figures_come_from_the_saved_runs():
         assert f"**{figure}**" in section
     for allocator, cap in lowest.items():
         assert f"{cap:.4f}" in section, allocator
+
+
+def test_the_release_order_figures_come_from_the_saved_runs():
+    """README, "Release order": allocfree's device allocations a steady step at 1.01x / 1.02x / 1.03x,
+    packed pool against large arenas first, and ckpt uncapped in lockstep (1.0053 over native, 1.0067
+    over expandable_segments), from the saved runs, quoted by the README."""
+    saved = BENCH / "results" / "release-order-2026-12-06"
+    allocs = {}
+    for line in (saved / "allocfree_ab.log").read_text().splitlines():
+        if line.startswith("F="):
+            factor, _, variant, figures = line.split(" ", 3)
+            allocs.setdefault((factor[2:], variant), set()).add(json.loads(figures)["steady_device_allocs"])
+    assert all(len(runs) == 1 for runs in allocs.values())  # the same in both runs of each
+    readme = (BENCH.parent / "README.md").read_text()
+    section = " ".join(readme[readme.index("**Release order**"):][:6000].split())  # lines joined
+    for factor in ("1.01", "1.02", "1.03"):
+        (old,), (new,) = allocs[(factor, "packed(old)")], allocs[(factor, "large-first")]
+        assert new < old / 4
+        quoted = f"{new:.1f}" if new >= 1 else f"{new:.2f}"
+        assert f"at {factor}x {old:.1f} -> **{quoted}**" in section, factor
+    ratios = {}
+    for reference in ("native", "expandable"):
+        r = run("--from-json", str(saved / "ckpt_uncapped_lockstep.json.gz"), "--reference", reference)
+        assert r.returncode == 0, r.stderr
+        ratios[reference] = next(line.split()[3] for line in r.stdout.splitlines() if line.startswith("gpumem"))
+    assert ratios == {"native": "1.0053", "expandable": "1.0067"}
+    assert "**1.0053**" in section and "expandable_segments 1.0067" in section

@@ -307,7 +307,9 @@ def parse_args(argv=None):
                     help=f"comma-separated, from {','.join(a for a in ALLOCATORS if a != 'rmm')} "
                          "(default native,expandable,async,gpumem); names repeat at most once; a gpumem "
                          "name with GPUMEM_CONF keys added after '+' is a configuration of its own "
-                         "(gpumem+stitch_slack:0.015)")
+                         "(gpumem+stitch_slack:0.015), and one ending in @DIR runs the gpumem build "
+                         "installed in DIR (pip install --target DIR: gpumem,gpumem@/tmp/before A/Bs two "
+                         "builds of the pool)")
     ap.add_argument("--rounds", type=int, default=12, help="compared rounds per group, at most (default 12)")
     ap.add_argument("--cap", type=float, default=None,
                     help="also a capped group at this multiple of native's uncapped peak allocated "

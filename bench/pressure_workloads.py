@@ -27,7 +27,8 @@ ALLOCATOR  native | expandable | async (PyTorch's, PYTORCH_CUDA_ALLOC_CONF) | gp
            before reserving past the live high water) | rmm (RAPIDS RMM's pool through
            rmm_torch_allocator, capped by its maximum pool size) | none (CPU only) | a gpumem name with
            GPUMEM_CONF keys added after '+' (gpumem+stitch_slack:0.02: gpumem's configuration and
-           stitch_slack:0.02; bench/lockstep.py runs such workers beside the others)
+           stitch_slack:0.02; bench/lockstep.py runs such workers beside the others), any gpumem name
+           with @DIR: the gpumem package installed in DIR (another build: pip install --target DIR)
 
 --fraction F caps the run with torch.cuda.set_per_process_memory_fraction(F) (rmm: a pool of at most
 F * total bytes). A step that raises an out-of-memory error counts as one OOM step and the run goes on
@@ -87,19 +88,34 @@ GPUMEM_CONF = {"gpumem": "release:lazy,stitch:true", "gpumem_nostitch": "release
                "gpumem_hw": "release:high_water,stitch:false"}
 
 
+def split_build(name: str) -> tuple[str, str | None]:
+    """A gpumem name may end in `@DIR`: that configuration run with the gpumem package installed in DIR
+    (`pip install --no-build-isolation --target DIR TREE`: another build of the pool, A/B'd in the
+    same run as this one; bench/lockstep.py gives both turns on one GPU). Returns (name, DIR or None)."""
+    base, at, build = name.partition("@")
+    return (base, build) if at else (name, None)
+
+
 def gpumem_conf(name: str) -> str | None:
     """The GPUMEM_CONF of a gpumem configuration: one of GPUMEM_CONF's names, or such a name with keys
     added after '+' (`gpumem+stitch_slack:0.015`, `gpumem+stitch_slack:0.02+page_size:2MiB`: the
-    driver's lists are comma-separated); None for any other allocator. The pool checks the keys."""
-    base, *extra = name.split("+")
+    driver's lists are comma-separated), either perhaps with `@DIR` (split_build); None for any other
+    allocator. The pool checks the keys."""
+    base, *extra = split_build(name)[0].split("+")
     if base not in GPUMEM_CONF or not all(extra):
         return None
     return ",".join([GPUMEM_CONF[base], *extra])
 
 
 def is_allocator(name: str) -> bool:
-    """One of ALLOCATORS, or a gpumem name with keys (gpumem_conf): what a worker can run on the GPU."""
-    return name in ALLOCATORS or gpumem_conf(name) is not None
+    """One of ALLOCATORS, or a gpumem name with keys (gpumem_conf), with `@DIR` only where DIR holds a
+    gpumem package: what a worker can run on the GPU."""
+    if name in ALLOCATORS:
+        return True
+    build = split_build(name)[1]
+    if build is not None and not os.path.isfile(os.path.join(build, "gpumem", "__init__.py")):
+        return False
+    return gpumem_conf(name) is not None
 
 
 def allocator_arg(text: str) -> str:
@@ -107,7 +123,8 @@ def allocator_arg(text: str) -> str:
     if text == "none" or is_allocator(text):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is none of {', '.join(ALLOCATORS + ('none',))} nor "
-                                     "gpumem+KEY:VALUE[+KEY:VALUE]")
+                                     "gpumem+KEY:VALUE[+KEY:VALUE], nor a gpumem name with @DIR where DIR "
+                                     "holds a gpumem package")
 
 
 WORKLOADS = ("allocfree", "varlen", "resnet", "vit", "moe", "bert", "generate", "ckpt")
@@ -136,6 +153,9 @@ def select_allocator(name: str, fraction: float | None, release_slack: float | N
         if release_slack is not None:
             conf += f",release_slack:{release_slack}"
         os.environ["GPUMEM_CONF"] = conf
+        build = split_build(name)[1]
+        if build is not None:
+            sys.path.insert(0, os.path.abspath(build))  # that build's gpumem, not the installed one
         import gpumem  # noqa: F401  registers itself as torch's CUDA allocator
     elif name in TORCH_ALLOC_CONF:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = TORCH_ALLOC_CONF[name]
@@ -692,6 +712,8 @@ def run(args) -> dict:
                   device_short=device_short,
                   step_ms=None if first["seconds"] is None else 1000 * first["seconds"] / timed,
                   total_bytes=total, device=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu")
+    if "gpumem" in sys.modules:  # which build ran (a name with @DIR: that directory's)
+        result["gpumem_from"] = os.path.dirname(sys.modules["gpumem"].__file__)
     result.update(peaks)
     result.update(steady_figures(later, args.passes, timed))
     # Each pass's mean step: whether a policy that remaps (gpumem_hw) settles as the shapes repeat.
@@ -777,7 +799,7 @@ def parse_args(argv=None):
     ap.add_argument("workload", choices=WORKLOADS)
     ap.add_argument("allocator", type=allocator_arg,
                     help=f"{', '.join(ALLOCATORS + ('none',))}, or gpumem+KEY:VALUE[+KEY:VALUE] (GPUMEM_CONF keys "
-                         "added to gpumem's)")
+                         "added to gpumem's); a gpumem name may end in @DIR (the build installed in DIR)")
     ap.add_argument("--fraction", type=float, help="set_per_process_memory_fraction (0, 1]")
     ap.add_argument("--stop-on-oom", action="store_true", help="end the run at its first OOM step")
     ap.add_argument("--quick", action="store_true", help="half the steps")

@@ -609,3 +609,31 @@ def test_a_trial_short_of_device_memory_that_ran_alone_is_not_run_again():
     runner = ShortDeviceRunner(args)
     runner.parallel(short_trials(runner, [1.0, 1.01]))
     assert runner.starts == [1.0, 1.01] and len(runner.log) == 2
+
+
+def test_a_gpumem_name_with_a_build_directory_runs_that_build(tmp_path):
+    """`gpumem@DIR` (and a configuration with keys, `gpumem+stitch_slack:0.02@DIR`): the worker imports
+    the gpumem package installed in DIR, not the one installed here, so that two builds of the pool
+    take turns in one lockstep run; a DIR with no gpumem package is refused before anything starts."""
+    import shutil
+
+    import gpumem
+
+    build = tmp_path / "other-build"
+    shutil.copytree(Path(gpumem.__file__).parent, build / "gpumem")  # a real build, copied
+    from pressure_workloads import is_allocator, split_build
+
+    assert split_build(f"gpumem+stitch_slack:0.02@{build}") == ("gpumem+stitch_slack:0.02", str(build))
+    assert gpumem_conf(f"gpumem+stitch_slack:0.02@{build}") == GPUMEM_CONF["gpumem"] + ",stitch_slack:0.02"
+    assert is_allocator(f"gpumem@{build}") and is_allocator(f"gpumem_hw@{build}")
+    assert not is_allocator(f"gpumem@{tmp_path / 'missing'}") and not is_allocator(f"native@{build}")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import pressure_workloads as w; "
+            "w.select_allocator(sys.argv[2], None); import gpumem; print(gpumem.__file__)")
+    found = subprocess.run([sys.executable, "-c", code, str(BENCH), f"gpumem@{build}"], capture_output=True,
+                           text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip().splitlines()[-1] == str(build / "gpumem" / "__init__.py")
+    r = run("--allocators", f"native,gpumem,gpumem@{tmp_path / 'missing'}", script="lockstep.py")
+    assert r.returncode == 2 and f"gpumem@{tmp_path / 'missing'}" in r.stderr
+    r = run("allocfree", f"gpumem@{tmp_path / 'missing'}", script="pressure_workloads.py")
+    assert r.returncode == 2 and "holds a gpumem package" in r.stderr

@@ -33,6 +33,12 @@ least-squares line through its rounds: its step minus the reference's against it
 step (driver_fit): the difference left at no driver time, how much of a driver millisecond the step
 pays, and the correlation, which says whether the driver's time is what the difference follows.
 
+A gpumem name ending in @DIR runs the gpumem build installed in DIR (pip install --target DIR), so that
+two builds of the pool take turns in one run (gpumem,gpumem@/tmp/before). Two workers running the same
+code still differ: on allocfree, whose steps are host-bound, by 5.7% uncapped over 20 rounds (two builds
+whose difference acts only under a cap; one H100, 2026-12-06; README, "Release order"), so a ratio
+nearer 1 than that says nothing there; the same build twice (DIR where it is installed) measures it.
+
 --cap K also runs every allocator capped at K P (set_per_process_memory_fraction(K P / total)), P being
 native's peak allocated bytes over its first pass in the uncapped group, which therefore runs first
 and must include native. Uncapped, the workers' caches share the device's memory: a worker whose pass

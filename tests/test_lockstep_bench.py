@@ -359,6 +359,12 @@ def test_the_release_order_figures_come_from_the_saved_runs():
         ratios[reference] = next(line.split()[3] for line in r.stdout.splitlines() if line.startswith("gpumem"))
     assert ratios == {"native": "1.0053", "expandable": "1.0067"}
     assert "**1.0053**" in section and "expandable_segments 1.0067" in section
+    earlier = BENCH / "results" / "lockstep-2026-11-27"
+    r = run("--from-json", str(saved / "ckpt_uncapped_lockstep.json.gz"),
+            *(str(earlier / f"ckpt_call{i}.json.gz") for i in (2, 3, 4)), "--reference", "expandable")
+    assert "ckpt uncapped (4 runs merged): 86 rounds compared" in r.stdout
+    assert any(line.split()[:4] == ["gpumem", "107.13", "0", "1.0157"] for line in r.stdout.splitlines())
+    assert "86 rounds: 1.0157" in section and "the four runs pooled 1.0157 over expandable, 86" in readme
     r = run("--from-json", str(saved / "allocfree_ab_lockstep.json.gz"), "--reference", "gpumem@/tmp/before")
     assert r.returncode == 0, r.stderr
     uncapped, capped = r.stdout.split("allocfree at 1.02x")

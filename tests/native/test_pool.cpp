@@ -343,6 +343,42 @@ TEST(limit_zero_refuses_every_allocation_and_any_limit_is_accepted) {
   }
 }
 
+// Room under a limit comes from the large arenas' cached pages before the small arena's, even when
+// the small arena was made first (pool_release.cpp, release_cached_units); the small arena's pages go
+// only when the large arenas have none left.
+TEST(limit_releases_large_arenas_before_the_small_one) {
+  for (UpstreamKind kind : kKinds) {
+    Setup s(kind, 256 * MiB, 0, ReleasePolicy::kLazy);
+    std::vector<std::uintptr_t> smalls;
+    for (int i = 0; i < 4; ++i) smalls.push_back(s.pool->allocate(1 << 20, 0));  // the small arena first
+    std::uintptr_t large = s.pool->allocate(16 << 20, 0);
+    for (std::uintptr_t x : smalls) s.pool->free(x);
+    s.pool->free(large);
+    const std::int64_t small_cached = s.pool->stats().reserved_bytes[kSmallPool].current;
+    CHECK(small_cached >= std::int64_t(4 << 20));
+    s.pool->set_limit(static_cast<std::size_t>(cur(s.pool->stats().reserved_bytes)));
+    std::uintptr_t other = s.pool->allocate(16 << 20, 1);  // a new arena: room from released pages
+    CHECK_EQ(s.pool->stats().reserved_bytes[kSmallPool].current, small_cached);
+    check_clean(*s.pool, *s.dev);
+    s.pool->free(other);
+    s.pool->set_limit(Pool::kNoLimit);
+    check_empty_after_trim(*s.pool, *s.dev);
+  }
+  Setup s(UpstreamKind::kPages, 256 * MiB, 0, ReleasePolicy::kLazy);
+  std::vector<std::uintptr_t> smalls;
+  for (int i = 0; i < 4; ++i) smalls.push_back(s.pool->allocate(1 << 20, 0));
+  std::uintptr_t large = s.pool->allocate(16 << 20, 0);  // live: the large arena caches nothing
+  for (std::uintptr_t x : smalls) s.pool->free(x);
+  s.pool->set_limit(static_cast<std::size_t>(cur(s.pool->stats().reserved_bytes)));
+  std::uintptr_t other = s.pool->allocate(4 << 20, 1);
+  CHECK_EQ(s.pool->stats().reserved_bytes[kSmallPool].current, std::int64_t(0));
+  CHECK_EQ(s.pool->stats().reserved_bytes[kLargePool].current, std::int64_t(20 << 20));
+  check_clean(*s.pool, *s.dev);
+  for (std::uintptr_t x : {large, other}) s.pool->free(x);
+  s.pool->set_limit(Pool::kNoLimit);
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
 TEST(segment_observer_sees_every_map_unmap_and_segment) {
   for (UpstreamKind kind : kKinds) {
     for (ReleasePolicy release : {ReleasePolicy::kLazy, ReleasePolicy::kHighWater}) {

@@ -14,6 +14,11 @@ sys.path.insert(0, str(BENCH))
 import lockstep  # noqa: E402  (imports no torch)
 
 
+def ratio_of(table: str, allocator: str) -> str:
+    """The median per-round ratio that a printed table gives `allocator` (its row's fourth column)."""
+    return next(line.split()[3] for line in table.splitlines() if line.split()[:1] == [allocator])
+
+
 def run(*args, script="lockstep.py", stdin=None):
     return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
                           timeout=300, input=stdin)
@@ -319,8 +324,7 @@ def test_the_packed_small_figures_come_from_the_saved_runs():
     r = run("--from-json", str(saved / "allocfree_lockstep.json.gz"))
     assert r.returncode == 0, r.stderr
     uncapped, capped = r.stdout.split("allocfree at 1.05x")
-    ratio = {name: next(line.split()[3] for line in text.splitlines() if line.startswith("gpumem"))
-             for name, text in (("uncapped", uncapped), ("1.05x", capped))}
+    ratio = {"uncapped": ratio_of(uncapped, "gpumem"), "1.05x": ratio_of(capped, "gpumem")}
     assert ratio == {"uncapped": "0.9456", "1.05x": "0.8914"}
     with gzip.open(saved / "allocfree_pressure.json.gz", "rt") as f:
         rows = json.load(f)["results"]["allocfree"]["rows"]
@@ -356,7 +360,7 @@ def test_the_release_order_figures_come_from_the_saved_runs():
     for reference in ("native", "expandable"):
         r = run("--from-json", str(saved / "ckpt_uncapped_lockstep.json.gz"), "--reference", reference)
         assert r.returncode == 0, r.stderr
-        ratios[reference] = next(line.split()[3] for line in r.stdout.splitlines() if line.startswith("gpumem"))
+        ratios[reference] = ratio_of(r.stdout, "gpumem")
     assert ratios == {"native": "1.0053", "expandable": "1.0067"}
     assert "**1.0053**" in section and "expandable_segments 1.0067" in section
     earlier = BENCH / "results" / "lockstep-2026-11-27"
@@ -368,7 +372,6 @@ def test_the_release_order_figures_come_from_the_saved_runs():
     r = run("--from-json", str(saved / "allocfree_ab_lockstep.json.gz"), "--reference", "gpumem@/tmp/before")
     assert r.returncode == 0, r.stderr
     uncapped, capped = r.stdout.split("allocfree at 1.02x")
-    same_pool = next(line.split()[3] for line in uncapped.splitlines() if line.startswith("gpumem "))
-    large_first = next(line.split()[3] for line in capped.splitlines() if line.startswith("gpumem "))
+    same_pool, large_first = ratio_of(uncapped, "gpumem"), ratio_of(capped, "gpumem")
     assert (same_pool, large_first) == ("1.0573", "0.8174")
     assert f"**{large_first}**" in section and f"ratio is {same_pool}" in section

@@ -5,17 +5,15 @@ reserved bytes are the pages that live blocks pin; these tests check the layouts
 its invariants under random work, and the README's figures for allocfree's requests."""
 import random
 import re
-from pathlib import Path
 
 import pytest
 
 from gpumem import _C
 from gpumem.replay import min_capacity
-from pool_model import GiB, MiB, Model, allocfree_trace
+from pool_model import ROOT, GiB, MiB, Model, allocfree_trace
 
 PAGE = 2 * MiB
 SLOT = 1 * MiB
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def pages_pinned(blocks):

@@ -7,7 +7,7 @@ from gpumem import _C, parse_config
 def test_defaults():
     assert parse_config("") == {"upstream": "auto", "cap_bytes": 0, "cap_fraction": 0.0,
                                 "release": "lazy", "release_slack": 0.005,
-                                "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": True, "ipc": True,
+                                "page_size": _C.DEFAULT_PAGE_SIZE, "gc_on_oom": False, "ipc": True,
                                 "stitch": True, "stitch_slack": 0.01,
                                 "ends_by_page": False, "early_ends_by_page": 0.1, "park_lent": True}
 

@@ -16,7 +16,8 @@ struct Config {
   ReleasePolicy release = PoolOptions().release;
   double release_slack = PoolOptions().release_slack;  // see PoolOptions
   std::size_t page_size = kDefaultPageSize;  // vmm upstream: bytes per physical page (multiple of 2 MiB)
-  bool gc_on_oom = true;          // run the registered OOM callbacks (Python: gc.collect) before failing
+  bool gc_on_oom = false;         // run the registered OOM callbacks (Python: gc.collect) before failing:
+                                  // off by default, as PyTorch's allocator never collects
   // vmm upstream: create pages exportable as POSIX file descriptors, so that CUDA tensors can be
   // shared with other processes (torch.multiprocessing); false: plain pages, sharing refused.
   bool ipc = true;

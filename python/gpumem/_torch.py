@@ -8,9 +8,10 @@
   ``status_line()`` says what is missing.
 * CUDA already initialized          -> one warning saying what to do; ``with gpumem.mem_pool(): ...``
   still routes allocations to gpumem through ``torch.cuda.MemPool``.
-* otherwise                         -> registered; ``gc.collect()`` runs before an allocation fails
-  (unless ``gc_on_oom:false``; not again while a collect a moment ago found nothing: ``_GcOnOom``),
-  and NCCL's register hook is turned off on CUDA virtual memory (``_nccl_hook``).
+* otherwise                         -> registered; with ``gc_on_oom:true`` ``gc.collect()`` runs before
+  an allocation fails (not again while a collect a moment ago found nothing: ``_GcOnOom``; off by
+  default, as PyTorch's allocator never collects), and NCCL's register hook is turned off on CUDA
+  virtual memory (``_nccl_hook``).
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def _init_bridge(torch: Any) -> Any:
     conf = os.environ.get("GPUMEM_CONF", "")
     bridge.init(conf)
     parsed = _parse_conf(conf)
-    if parsed is None or parsed.get("gc_on_oom", True):
+    if parsed is not None and parsed["gc_on_oom"]:
         bridge.set_oom_callback(_gc_collect)
     _bridge, _bridge_ready, _bridge_config = bridge, True, parsed
     return bridge

@@ -10,7 +10,8 @@ Keys (comma separated, ``key:value`` or ``key=value``):
                on a GPU)
 ``release_slack``  high_water only: how far (fraction) reserved may exceed the live high water (0.005)
 ``page_size``  vmm: bytes per physical page, a multiple of 2MiB (default 8MiB)
-``gc_on_oom``  ``true`` (default: run ``gc.collect()`` before failing an allocation) or ``false``
+``gc_on_oom``  ``false`` (default, as PyTorch's allocator: an allocation fails without collecting) or
+               ``true`` (run ``gc.collect()`` before failing one, as CuPy's own pool does)
 ``ipc``        vmm: ``true`` (default: pages are created shareable as file descriptors, so CUDA tensors can
                go to other processes) or ``false`` (plain pages; sharing a tensor raises, naming this key)
 ``stitch``     vmm: ``true`` (default) or ``false``: new pages past the live high water (+1%,
@@ -56,7 +57,7 @@ class Config(TypedDict):
     release: str  # "lazy" or "high_water"
     release_slack: float  # high_water: how far reserved may exceed the live high water (0.005)
     page_size: int  # bytes per physical page of large arenas, a multiple of 2 MiB (8 MiB)
-    gc_on_oom: bool  # run gc.collect() before failing an allocation
+    gc_on_oom: bool  # run gc.collect() before failing an allocation (false)
     ipc: bool  # vmm: pages shareable with other processes (POSIX file descriptor handles)
     stitch: bool  # vmm: new pages past the live high water backed by free cached pages' memory
     stitch_slack: float  # vmm, stitch: how far reserved may grow past the live high water first (0.01)

@@ -13,8 +13,9 @@ what CuPy frees is reused by torch (and the reverse), one cap (``gpumem.set_cap`
 A block goes back to the pool when CuPy drops its memory (its ``CFunctionAllocatorMemory`` frees it
 when it dies; on the Python path its ``UnownedMemory`` owns a ``gpumem._bridge.Block``): arrays shared
 with torch through DLPack keep it until both sides let go (CuPy's DLPack export holds the array).
-Out of memory: the pool releases its cache and runs the OOM callbacks (``gc.collect``), then
-``cupy.cuda.memory.OutOfMemoryError`` is raised, with gpumem's figures in its cause.
+Out of memory: the pool releases its cache and runs the OOM callbacks (``gc.collect`` with
+``GPUMEM_CONF=gc_on_oom:true``, as CuPy's own pool collects; off by default, as PyTorch's allocator),
+then ``cupy.cuda.memory.OutOfMemoryError`` is raised, with gpumem's figures in its cause.
 
 Two paths, the same pool and figures: the **C path** (``path() == "c"``) hands CuPy gpumem's C
 functions through ``cupy.cuda.memory.CFunctionAllocator``, so an allocation runs no Python code of

@@ -9,8 +9,8 @@ Device memory comes from the main pool of the context's device (Numba's own defa
 legacy stream 0: Numba's EMM interface has no stream), so it is reused by torch and CuPy, one cap
 covers all, and ``gpumem.stats()`` counts Numba's live bytes apart (``gpumem.library.numba.*``).
 Pinned and mapped host memory stay Numba's (``HostOnlyCUDAMemoryManager``). Out of memory: the pool
-releases its cache and runs the OOM callbacks (``gc.collect``), then Numba's ``CudaAPIError`` with
-``CUDA_ERROR_OUT_OF_MEMORY`` is raised, as Numba's own allocator raises it.
+releases its cache and runs the OOM callbacks (``gc.collect`` with ``gc_on_oom:true``), then Numba's
+``CudaAPIError`` with ``CUDA_ERROR_OUT_OF_MEMORY`` is raised, as Numba's own allocator raises it.
 
 IPC handles (``get_ipc_handle``) need memory from ``cudaMalloc``: with gpumem's default virtual-memory
 pages they raise, saying to set ``GPUMEM_CONF=upstream:segments``.

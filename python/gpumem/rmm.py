@@ -8,8 +8,8 @@
 RMM names, from the device's main pool (the one torch's allocations use), and free stream-ordered:
 a block freed on another stream than its own waits for that stream's work before reuse. One cap
 covers RMM, torch, CuPy and Numba; ``gpumem.stats()`` counts RMM's live bytes apart. Out of memory:
-the pool releases its cache and runs the OOM callbacks (``gc.collect``), then ``MemoryError`` (which
-RMM passes on as ``MemoryError``).
+the pool releases its cache and runs the OOM callbacks (``gc.collect`` with ``gc_on_oom:true``), then
+``MemoryError`` (which RMM passes on as ``MemoryError``).
 
 Each call goes through Python (RMM's callback resource), which costs more per allocation than RMM's
 own C++ pools: ``bench/mixed_pipeline.py`` measures it. Without RMM installed, ``use()`` raises

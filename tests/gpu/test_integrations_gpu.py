@@ -248,6 +248,8 @@ def test_one_cap_and_one_fraction_cover_torch_and_cupy():
 @pytest.mark.gpu
 @KINDS
 def test_cupy_oom_releases_the_cache_runs_gc_then_raises_cupys_error(kind):
+    # gc_on_oom:true, as CuPy's own pool collects before it raises (gpumem's default is PyTorch's: no
+    # collect).
     need("cupy", "cupy")
     run(prelude=cupy_prelude(kind), body="""
     gpumem.set_cap(1024 * MiB)
@@ -291,7 +293,7 @@ def test_cupy_oom_releases_the_cache_runs_gc_then_raises_cupys_error(kind):
     t = torch.ones(100 * MiB, dtype=torch.uint8, device=dev)
     assert int(z.sum()) == 100 * MiB and int(t.sum()) == 100 * MiB
     gpumem.validate()
-    """)
+    """, env={"GPUMEM_CONF": "gc_on_oom:true"})
 
 
 # The early-reuse check: a kernel queued on stream A reads buffer X after a long spin; X is freed

@@ -138,18 +138,38 @@ def test_driver_time_counts_the_maps_unmaps_and_waits_of_a_capped_step():
     """, env={"GPUMEM_CONF": "release:lazy,upstream:vmm"})
 
 
+CYCLES_HOLD_MEMORY = """
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction(0.2)
+class Holder: pass
+gc.disable()
+for _ in range(2):   # each cycle holds a tensor; only gc.collect frees them
+    h = Holder(); h.me = h; h.t = torch.empty(int(total * 0.08), dtype=torch.uint8, device=dev)
+    del h
+"""
+
+
 @pytest.mark.gpu
-def test_oom_runs_gc_collect_for_cycles():
-    run("""
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(0.2)
-    class Holder: pass
-    gc.disable()
-    for _ in range(3):   # each cycle holds a tensor; only gc.collect frees them
-        h = Holder(); h.me = h; h.t = torch.empty(int(total * 0.08), dtype=torch.uint8, device=dev)
-        del h
-    z = torch.empty(int(total * 0.1), dtype=torch.uint8, device=dev)   # needs the cycles collected
-    """)
+def test_oom_runs_gc_collect_for_cycles_with_gc_on_oom():
+    run(CYCLES_HOLD_MEMORY + """
+z = torch.empty(int(total * 0.1), dtype=torch.uint8, device=dev)   # needs the cycles collected
+""", env={"GPUMEM_CONF": "gc_on_oom:true"})
+
+
+@pytest.mark.gpu
+def test_oom_does_not_collect_by_default_as_pytorchs_allocator():
+    """PyTorch's allocator fails without collecting; so does gpumem by default: the cycles' tensors
+    stay alive, the allocation raises, and after a collect the same allocation is served."""
+    run(CYCLES_HOLD_MEMORY + """
+try:
+    torch.empty(int(total * 0.1), dtype=torch.uint8, device=dev)
+    raise AssertionError("served: something collected the cycles")
+except torch.cuda.OutOfMemoryError:
+    pass
+assert gc.collect() >= 2
+z = torch.empty(int(total * 0.1), dtype=torch.uint8, device=dev)
+gpumem.validate()
+""")
 
 
 @pytest.mark.gpu

@@ -38,15 +38,15 @@ TEST(defaults_and_every_key) {
   CHECK_EQ(d.cap_fraction, 0.0);
   CHECK(d.release == ReleasePolicy::kLazy);
   CHECK_EQ(d.page_size, kDefaultPageSize);
-  CHECK(d.gc_on_oom);
-  const Config c = parse_config(" upstream:VMM , cap:0.9,release=high_water,,release_slack:0.01,page_size:16MiB,gc_on_oom:off");
+  CHECK(!d.gc_on_oom);  // off by default, as PyTorch's allocator
+  const Config c = parse_config(" upstream:VMM , cap:0.9,release=high_water,,release_slack:0.01,page_size:16MiB,gc_on_oom:on");
   CHECK_EQ(c.upstream, std::string("vmm"));
   CHECK_EQ(c.cap_fraction, 0.9);
   CHECK_EQ(c.cap_bytes, std::size_t(0));
   CHECK(c.release == ReleasePolicy::kHighWater);
   CHECK_EQ(c.release_slack, 0.01);
   CHECK_EQ(c.page_size, 16 * MiB);
-  CHECK(!c.gc_on_oom);
+  CHECK(c.gc_on_oom);
   CHECK_EQ(to_string(c.release), std::string("high_water"));
   CHECK_EQ(to_string(ReleasePolicy::kLazy), std::string("lazy"));
 }

@@ -402,11 +402,12 @@ def from_json(paths: list, reference: str | None) -> int:
 def save_json(path: str | None, out: dict) -> None:
     """--json: the figures so far, written whole after every round (a file beside it, then renamed), so
     that a run cut short (a GPU call's time limit) leaves every round it finished. A group still running
-    says "cut": true and has no final figures (no reserved / allocated column)."""
+    says "cut": true and has no final figures (no reserved / allocated column). A path ending in .gz is
+    written gzipped, as --from-json reads it."""
     if not path:
         return
     tmp = f"{path}.part"
-    with open(tmp, "w") as f:
+    with (gzip.open(tmp, "wt") if path.endswith(".gz") else open(tmp, "w")) as f:
         json.dump(out, f, indent=1)
     os.replace(tmp, path)
 

@@ -375,3 +375,46 @@ def test_the_release_order_figures_come_from_the_saved_runs():
     same_pool, large_first = ratio_of(uncapped, "gpumem"), ratio_of(capped, "gpumem")
     assert (same_pool, large_first) == ("1.0573", "0.8174")
     assert f"**{large_first}**" in section and f"ratio is {same_pool}" in section
+
+
+def test_a_json_path_ending_in_gz_is_written_gzipped_and_read_back(tmp_path):
+    """--json x.json.gz writes gzip (it wrote plain JSON under that name, which --from-json refused)."""
+    out = tmp_path / "ls.json.gz"
+    r = run("--device", "cpu", "--workloads", "allocfree", "--allocators", "native,gpumem", "--rounds", "1",
+            "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    with gzip.open(out, "rt") as f:
+        assert json.load(f)["allocfree"]["uncapped"]["summary"]["compared_rounds"] == 1
+    r = run("--from-json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "allocfree uncapped: 1 rounds compared; reference native" in r.stdout
+
+
+def test_the_gc_default_stops_ckpt_figures_come_from_the_saved_runs():
+    """README, "Step times in lockstep": ckpt uncapped on one H200 at 6af2891 (1.0057 over native, 19
+    rounds) and pooled with the H100 run of fa9604a (the same pool: 1.0055, 36 rounds)."""
+    h200 = BENCH / "results" / "gc-default-2026-12-06" / "ckpt_uncapped_lockstep_h200.json.gz"
+    h100 = BENCH / "results" / "release-order-2026-12-06" / "ckpt_uncapped_lockstep.json.gz"
+    r = run("--from-json", str(h200))
+    assert r.returncode == 0, r.stderr
+    assert "ckpt uncapped: 19 rounds compared; reference native" in r.stdout
+    assert ratio_of(r.stdout, "gpumem") == "1.0057"
+    r = run("--from-json", str(h100), str(h200))
+    assert r.returncode == 0, r.stderr
+    assert "ckpt uncapped (2 runs merged): 36 rounds compared" in r.stdout
+    assert ratio_of(r.stdout, "gpumem") == "1.0055"
+    readme = " ".join((BENCH.parent / "README.md").read_text().split())
+    assert "H200, 6af2891, 19 rounds: **1.0057**" in readme and "36 rounds: **1.0055**" in readme
+
+
+def test_the_readmes_peer_line_at_6af2891_is_the_saved_comparisons():
+    """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 6af2891 is the last line
+    of the comparison saved from that run, and its one real regression is the one the README names."""
+    saved = (BENCH / "results" / "gc-default-2026-12-06" / "peer_compare_h200.txt").read_text()
+    line = next(x for x in saved.splitlines() if x.startswith("PEER SUMMARY:"))
+    assert "REGRESSIONS 11 (real 1, native-internal 10)" in line
+    real = saved.split("== REAL REGRESSIONS")[1].split("\n==")[0]
+    assert "test_allocated_in_middle_of_segment" in real and "limited_memory" not in real
+    readme = (BENCH.parent / "README.md").read_text()
+    at = readme.index("At 6af2891 (`gc_on_oom` off by default")
+    assert f"```\n{line}\n```" in readme[at:at + 1500]

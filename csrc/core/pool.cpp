@@ -224,6 +224,11 @@ bool Pool::commit_allocation(Block* block, bool release_and_retry) {
     live_high_water_ = previous_live_high_water;
     block->state = BlockInfo::kFree;
     block->requested = 0;
+    // Counted as freed now: pages it had mapped before failing may hold memory lent from a draining
+    // block (map_from_draining) or stitched from a free one, which that block's stream may still be
+    // using; freed at its old count, they went back to the device before that stream was past them
+    // once their other mapping had gone (found by the fuzzer, 2026-12-06).
+    block->freed_seq = ++free_seq_;
     insert_free(block);
   };
   bool mapped;

@@ -102,7 +102,7 @@ void Harness::check_oom(const OutOfMemoryError& e, std::size_t bytes, std::size_
     }
     for (const BlockInfo& b : blocks) consider(b);
     if (best_size == SIZE_MAX) return;  // the arena's address range has no gap that large
-    std::size_t need = dev_->missing_pages(best, rounded) * page_;
+    std::size_t need = dev_->pages_needing_memory(best, rounded) * page_;
     REQUIRE(reserved + need > limit(), "spurious OOM: best fit at 0x" << std::hex << best << std::dec
                                         << " needs " << need << " more bytes, reserved " << reserved
                                         << ", limit " << limit());
@@ -249,7 +249,7 @@ void Harness::do_allocate_at() {
         st.num_device_free == before.num_device_free)
       REQUIRE(fingerprint(*pool_, false) == full_before, "a failed allocate_at that released nothing changed the pool");
     if (sim_->faults_injected() == faults_before) {
-      const std::size_t need = dev_->missing_pages(address, rounded) * page_;
+      const std::size_t need = dev_->pages_needing_memory(address, rounded) * page_;
       REQUIRE(need > 0 && reserved + need > limit(),
               "spurious allocate_at OOM: needs " << need << " more bytes, reserved " << reserved << ", limit "
                                                  << limit());

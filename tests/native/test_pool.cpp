@@ -379,6 +379,32 @@ TEST(limit_releases_large_arenas_before_the_small_one) {
   check_empty_after_trim(*s.pool, *s.dev);
 }
 
+// Pages of 1 MiB or less (a simulated device's; CUDA's are 2 MiB) fit in free blocks of 1 MiB or less,
+// which the free index keeps in bins rather than in its size class lists: the release before an
+// out-of-memory error skipped them, so a freed 1 MiB block kept its 64 KiB pages and a request that
+// it fitted failed under the cap (found by the fuzzer, 2026-12-06).
+TEST(release_before_oom_takes_pages_of_binned_free_blocks) {
+  Setup s(UpstreamKind::kPages, 24 * MiB, 4 * MiB + 128 * KiB, ReleasePolicy::kLazy, 64 * KiB);
+  s.dev->set_auto_complete(false);
+  std::vector<std::uintptr_t> live;
+  for (int i = 0; i < 3; ++i) live.push_back(s.pool->allocate(1 * MiB, 7));
+  live.push_back(s.pool->allocate(1 * MiB, 1));
+  live.push_back(s.pool->allocate(513, 7));
+  s.pool->free(live[1]);  // 1 MiB free and mapped between two live blocks
+  live.erase(live.begin() + 1);
+  // Packed placement picks the free tail past the 513 bytes; it cannot map under the cap, so the
+  // pool releases its cache (the freed block's pages) and places the request again.
+  std::uintptr_t p = s.pool->allocate(496 * KiB, 7);
+  CHECK(p != 0);
+  CHECK(cur(s.pool->stats().reserved_bytes) <= std::int64_t(4 * MiB + 128 * KiB));
+  CHECK_EQ(s.pool->stats().num_ooms, std::int64_t(0));
+  check_clean(*s.pool, *s.dev);
+  s.pool->free(p);
+  for (std::uintptr_t x : live) s.pool->free(x);
+  s.dev->complete_all();
+  check_empty_after_trim(*s.pool, *s.dev);
+}
+
 TEST(segment_observer_sees_every_map_unmap_and_segment) {
   for (UpstreamKind kind : kKinds) {
     for (ReleasePolicy release : {ReleasePolicy::kLazy, ReleasePolicy::kHighWater}) {

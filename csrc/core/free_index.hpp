@@ -14,8 +14,9 @@
 
 namespace gpumem {
 
-// Blocks up to this size are binned; above it they go to the size class lists. It is below every page
-// size, so the blocks whose pages can be released are all in the lists.
+// Blocks up to this size are binned; above it they go to the size class lists. It is below CUDA's
+// pages (2 MiB), so on a GPU the blocks whose pages can be released are all in the lists; a simulated
+// device's smaller pages fit in binned blocks too (for_each_largest_first walks both).
 constexpr std::size_t kBinnedLimit = 1 * MiB;
 
 // `Block` needs: size, address, bin_prev, bin_next (Block*).
@@ -83,9 +84,18 @@ class FreeIndex {
   std::size_t size() const { return binned_ + large_.size(); }
   bool empty() const { return size() == 0; }
 
-  // Calls f(b) on the blocks above kBinnedLimit, largest first.
+  // Calls f(b) on the blocks of at least `size` bytes, largest first: the lists', then the bins' from
+  // the largest down (only where `size` is within the bins: a simulated device's pages of 1 MiB or
+  // less; CUDA's 2 MiB pages are above them).
   template <typename F>
-  void for_each_large_largest_first(F&& f) const { large_.for_each_largest_first(f); }
+  void for_each_largest_first(std::size_t size, F&& f) const {
+    large_.for_each_largest_first([&](Block* b) {
+      if (b->size >= size) f(b);
+    });
+    if (size <= kBinnedLimit && binned_)
+      for (std::size_t i = kBins; i-- > bin_of(size);)
+        for (Block* b = heads_[i]; b; b = b->bin_next) f(b);
+  }
 
   template <typename F>
   void for_each(F&& f) const {

@@ -219,24 +219,16 @@ std::size_t Pool::release_cached_units(std::size_t target) {
     Arena& arena = *arena_in_order;
     if (released >= target) break;
     if (upstream_->kind() == UpstreamKind::kPages) {
-      std::vector<Block*> candidates;  // the blocks that can hold a whole page, largest first
-      arena.free_blocks.for_each_large_largest_first([&](Block* b) {
+      // The blocks that can hold a whole page, largest first. With pages of 1 MiB or less (a simulated
+      // device's) these include binned blocks: scanning the size class lists alone, a free block of
+      // 64 KiB pages that was 1 MiB kept its pages through the release before an out-of-memory
+      // error, which then said no where that block fitted (the fuzzer, 2026-12-06).
+      std::size_t smallest_page = std::numeric_limits<std::size_t>::max();
+      for (const auto& region : arena.regions) smallest_page = std::min(smallest_page, region->pages.page());
+      std::vector<Block*> candidates;
+      arena.free_blocks.for_each_largest_first(smallest_page, [&](Block* b) {
         if (b->size >= b->region->pages.page()) candidates.push_back(b);
       });
-      // Pages of 1 MiB or less (a simulated device's: CUDA's are 2 MiB) fit in binned blocks too.
-      // Left out, a free block of 64 KiB pages that was 1 MiB kept its pages through the release
-      // before an out-of-memory error, which then said no where that block fitted (the fuzzer).
-      const std::size_t page = arena.regions.empty() ? 0 : arena.regions.front()->pages.page();
-      if (page != 0 && page <= kBinnedLimit) {
-        const std::size_t large = candidates.size();
-        arena.free_blocks.for_each_fit(page, [&](Block* b) {
-          if (b->size > kBinnedLimit) return false;  // the lists' blocks, already taken above
-          candidates.push_back(b);
-          return true;
-        });
-        std::stable_sort(candidates.begin() + static_cast<std::ptrdiff_t>(large), candidates.end(),
-                         [](const Block* x, const Block* y) { return x->size > y->size; });
-      }
       for (Block* b : candidates) {
         if (released >= target) break;
         released += release_pages_of(b, target - released);

@@ -205,21 +205,36 @@ bool SimulatedDevice::map_from(std::uintptr_t address, std::uintptr_t source, st
   return true;
 }
 
-std::pair<std::uint64_t, std::size_t> SimulatedDevice::physical_unit_at(std::uintptr_t address) const {
+bool SimulatedDevice::mapped_unit_at(std::uintptr_t address, std::uintptr_t* start, std::size_t* offset) const {
   auto it = ranges_.upper_bound(address);
-  if (it == ranges_.begin()) return {0, 0};
+  if (it == ranges_.begin()) return false;
   --it;
-  if (address >= it->first + it->second.bytes) return {0, 0};
+  if (address >= it->first + it->second.bytes) return false;
   const auto& mapped = it->second.mapped;
   const std::size_t page = (address - it->first) / page_size_;
   std::size_t p = page;
-  if (p >= mapped.size() || !mapped[p]) return {0, 0};
+  if (p >= mapped.size() || !mapped[p]) return false;
   while (mapped[p] == kMember) --p;  // the unit's first page holds its length
-  const std::uintptr_t start = it->first + p * page_size_;
-  const std::size_t offset = (page - p) * page_size_;
+  *start = it->first + p * page_size_;
+  *offset = (page - p) * page_size_;
+  return true;
+}
+
+std::pair<std::uint64_t, std::size_t> SimulatedDevice::physical_unit_at(std::uintptr_t address) const {
+  std::uintptr_t start = 0;
+  std::size_t offset = 0;
+  if (!mapped_unit_at(address, &start, &offset)) return {0, 0};
   const auto shared = shared_unit_at_.find(start);
   // Shared units by their id; the others by their address, kept apart from ids by the top bit.
   return {shared != shared_unit_at_.end() ? shared->second : (std::uint64_t{1} << 63) | start, offset};
+}
+
+std::size_t SimulatedDevice::mappings_at(std::uintptr_t address) const {
+  std::uintptr_t start = 0;
+  std::size_t offset = 0;
+  if (!mapped_unit_at(address, &start, &offset)) return 0;
+  const auto shared = shared_unit_at_.find(start);
+  return shared != shared_unit_at_.end() ? shared_mappings_.at(shared->second) : 1;
 }
 
 std::size_t SimulatedDevice::units_mapped_twice() const {

@@ -98,6 +98,9 @@ class SimulatedDevice : public Upstream {
   // the same number for every address mapped onto one (map_from), 0 where nothing is mapped. For
   // tests: live blocks must never see one unit's same offset at two addresses.
   std::pair<std::uint64_t, std::size_t> physical_unit_at(std::uintptr_t address) const;
+  // How many addresses the memory of the page holding `address` is mapped at: 0 where nothing is
+  // mapped, 1 for a unit mapped once, more while map_from() has it mapped elsewhere too.
+  std::size_t mappings_at(std::uintptr_t address) const;
 
  private:
   bool inject_fault();
@@ -106,6 +109,9 @@ class SimulatedDevice : public Upstream {
   // Throws unless [first, end) of `mapped` is made of whole physical allocations of `unit` pages.
   static void check_whole_units(const std::vector<std::uint16_t>& mapped, std::size_t first, std::size_t end,
                                 std::size_t unit, const char* what);
+  // The first address of the mapped unit holding `address` and the page's offset in it; false where
+  // nothing is mapped.
+  bool mapped_unit_at(std::uintptr_t address, std::uintptr_t* start, std::size_t* offset) const;
 
   UpstreamKind kind_;
   std::size_t capacity_;

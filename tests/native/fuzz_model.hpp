@@ -119,23 +119,13 @@ class CheckedDevice : public Upstream {
   }
   bool map(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
     if (!sim_->map(address, bytes, page)) return false;
-    for (std::size_t off = 0; off < bytes; off += page_size()) {
-      mapped_.insert(address + off);
-      unit_of_[address + off] = ++last_unit_;
-      ++unit_pages_[last_unit_];
-    }
+    for (std::size_t off = 0; off < bytes; off += page_size()) mapped_.insert(address + off);
     return true;
   }
   void unmap(std::uintptr_t address, std::size_t bytes, std::size_t page) override {
     check_release(address, bytes, "unmap");
     sim_->unmap(address, bytes, page);
-    for (std::size_t off = 0; off < bytes; off += page_size()) {
-      mapped_.erase(address + off);
-      auto it = unit_of_.find(address + off);
-      if (it == unit_of_.end()) continue;
-      if (--unit_pages_[it->second] == 0) unit_pages_.erase(it->second);
-      unit_of_.erase(it);
-    }
+    for (std::size_t off = 0; off < bytes; off += page_size()) mapped_.erase(address + off);
   }
   // Memory mapped a second time while its stream may still use it at `source`: only for a block of
   // the same region (one region per stream's arena on a paged device), never from under a live one;
@@ -151,13 +141,7 @@ class CheckedDevice : public Upstream {
       }
     }
     if (!sim_->map_from(address, source, bytes, page)) return false;
-    for (std::size_t off = 0; off < bytes; off += page_size()) {
-      mapped_.insert(address + off);
-      auto src = unit_of_.find(source + off);
-      const std::uint64_t unit = src != unit_of_.end() ? src->second : ++last_unit_;
-      unit_of_[address + off] = unit;
-      ++unit_pages_[unit];
-    }
+    for (std::size_t off = 0; off < bytes; off += page_size()) mapped_.insert(address + off);
     const std::size_t before = unsynced_.size();
     for (std::size_t i = 0; i < before; ++i)
       if (overlaps(source, bytes, unsynced_[i].address, unsynced_[i].size))
@@ -260,12 +244,11 @@ class CheckedDevice : public Upstream {
   // position, map_from): the memory may belong to a live block there, and then the position needs
   // memory of its own. Counted whoever owns the other position, so the out-of-memory justification
   // stays sound (it may accept an OOM a free owner would have avoided; it never flags a true one).
+  // The simulated device says how many addresses a page's memory is mapped at.
   std::size_t pages_needing_memory(std::uintptr_t a, std::size_t n) const {
     std::size_t ps = page_size(), need = 0;
-    for (std::uintptr_t p = a / ps * ps; p < a + n; p += ps) {
-      auto it = unit_of_.find(p);
-      need += it == unit_of_.end() || unit_pages_.at(it->second) > 1;
-    }
+    for (std::uintptr_t p = a / ps * ps; p < a + n; p += ps)
+      need += !mapped_.count(p) || sim_->mappings_at(p) > 1;
     return need;
   }
 
@@ -342,9 +325,6 @@ class CheckedDevice : public Upstream {
   };
   std::vector<Unsynced> unsynced_;
   std::set<std::uintptr_t> mapped_;                 // page addresses
-  std::map<std::uintptr_t, std::uint64_t> unit_of_;  // mapped page -> the memory behind it (a unit id)
-  std::map<std::uint64_t, std::size_t> unit_pages_;  // unit id -> the pages mapped to it (2+: stitched)
-  std::uint64_t last_unit_ = 0;
   std::map<std::uintptr_t, std::size_t> segments_;  // address -> bytes
   std::map<std::uintptr_t, std::size_t> range_bytes_;  // reserved address ranges: base -> bytes
   std::unordered_map<StreamId, std::uint64_t> queued_, completed_;

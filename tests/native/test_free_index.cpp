@@ -144,11 +144,26 @@ TEST(large_blocks_are_walked_largest_first) {
   for (std::size_t size : {3 * MiB, 64 * KiB, 200 * MiB, 2 * MiB, 3 * MiB + 512, 5 * GiB})
     index.insert(b.make(size));
   std::vector<std::size_t> seen;
-  index.for_each_large_largest_first([&](FakeBlock* x) { seen.push_back(x->size); });
+  index.for_each_largest_first(kBinnedLimit + 512, [&](FakeBlock* x) { seen.push_back(x->size); });
   CHECK(seen == (std::vector<std::size_t>{5 * GiB, 200 * MiB, 3 * MiB + 512, 3 * MiB, 2 * MiB}));
+  seen.clear();
+  index.for_each_largest_first(3 * MiB, [&](FakeBlock* x) { seen.push_back(x->size); });
+  CHECK(seen == (std::vector<std::size_t>{5 * GiB, 200 * MiB, 3 * MiB + 512, 3 * MiB}));
   std::size_t all = 0;
   index.for_each([&](FakeBlock*) { ++all; });
   CHECK_EQ(all, std::size_t(6));
+}
+
+// Pages of 1 MiB or less (a simulated device's) fit in binned blocks: walked after the lists, the
+// largest bin first, down to the bound.
+TEST(binned_blocks_are_walked_largest_first_down_to_the_bound) {
+  FreeIndex<FakeBlock> index;
+  Blocks b;
+  for (std::size_t size : {1 * MiB, 64 * KiB, 2 * MiB, 512 * KiB, 32 * KiB, 1 * MiB, 4 * KiB})
+    index.insert(b.make(size));
+  std::vector<std::size_t> seen;
+  index.for_each_largest_first(64 * KiB, [&](FakeBlock* x) { seen.push_back(x->size); });
+  CHECK(seen == (std::vector<std::size_t>{2 * MiB, 1 * MiB, 1 * MiB, 512 * KiB, 64 * KiB}));
 }
 
 TEST(random_inserts_and_erases_agree_with_a_model) {

@@ -158,7 +158,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream, bool count_oom
     release_cached(std::numeric_limits<std::size_t>::max());
     drain_all();
     if (device_room_) learn_device_room();  // the device may have more room by now: asked again
-    if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
+    if (std::uintptr_t p = try_allocate(rounded, bytes, stream, /*last_try=*/true)) return p;
   }
   // Second fallback: the callbacks (gc.collect() from Python) may free blocks; they re-enter free(),
   // so they run without the lock.
@@ -174,7 +174,7 @@ std::uintptr_t Pool::allocate(std::size_t bytes, StreamId stream, bool count_oom
     wait_pending_frees();  // blocks the callbacks freed with record_stream()
     release_cached(std::numeric_limits<std::size_t>::max());
     drain_all();
-    if (std::uintptr_t p = try_allocate(rounded, bytes, stream)) return p;
+    if (std::uintptr_t p = try_allocate(rounded, bytes, stream, /*last_try=*/true)) return p;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   GPUMEM_VALIDATE_ON_RETURN();
@@ -197,16 +197,23 @@ std::uintptr_t Pool::allocate_cached(std::size_t bytes, StreamId stream) {
   return try_allocate(round_up(bytes, kAlignment), bytes, stream);
 }
 
-std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, StreamId stream) {
+// `last_try`: allocate()'s tries after everything cached went back, where a slot-sized block of a small
+// arena may also go off its slot boundary (take_mapped_slot_off_boundary) rather than fail.
+std::uintptr_t Pool::try_allocate(std::size_t rounded, std::size_t requested, StreamId stream,
+                                  bool last_try) {
   if (!pending_.empty()) recycle_completed();  // what other streams finished with, before looking
   if (rounded > effective_cap_locked()) return 0;
   Arena& arena = arena_for(stream, rounded <= kSmallLimit);
+  auto commit = [&](Block* block) {
+    block->requested = requested;
+    block->last_requested = requested;
+    return commit_allocation(block, /*release_and_retry=*/false) ? block->address : 0;
+  };
   Block* block = take_free_block(arena, rounded);
   if (!block) return 0;
-  block = place(arena, block, rounded);
-  block->requested = requested;
-  block->last_requested = requested;
-  return commit_allocation(block, /*release_and_retry=*/false) ? block->address : 0;
+  if (std::uintptr_t p = commit(place(arena, block, rounded))) return p;
+  if (!last_try || !(block = take_mapped_slot_off_boundary(arena, rounded))) return 0;
+  return commit(block);
 }
 
 // Maps the pages of a block just taken out of the free set (state allocated, requested set, split to

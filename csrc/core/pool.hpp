@@ -389,7 +389,8 @@ class Pool {
   class ValidateOnReturn;  // the validate-every-op debug check (pool_debug.hpp)
   void validate_locked() const;
 
-  std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream);
+  std::uintptr_t try_allocate(std::size_t rounded, std::size_t requested, StreamId stream,
+                              bool last_try = false);
   bool commit_allocation(Block* block, bool release_and_retry);
   bool free_locked(std::uintptr_t address, std::size_t* freed_bytes = nullptr);
   // allocate_at's helpers (pool_allocate_at.cpp).
@@ -406,6 +407,7 @@ class Pool {
   // fewest empty pages, then the fewest empty slots (pool_map.cpp, packed_placement).
   bool packs(const Arena& arena) const { return arena.small && upstream_->kind() == UpstreamKind::kPages; }
   Block* packed_fit(const Arena& arena, Block* best, std::size_t rounded) const;
+  Block* take_mapped_slot_off_boundary(Arena& arena, std::size_t rounded);  // before an OOM only
   Block* place(Arena& arena, Block* block, std::size_t rounded);
   Region* add_segment(Arena& arena, std::size_t bytes);
   Region* add_paged_region(Arena& arena);

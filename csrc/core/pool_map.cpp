@@ -164,6 +164,27 @@ Pool::Block* Pool::packed_fit(const Arena& arena, Block* best, std::size_t round
   return chosen ? chosen : best;
 }
 
+// The last try before an out-of-memory error for a slot-sized block of a small arena: packed_fit puts
+// it on a slot boundary only, and under a full cap every free block with a boundary may need a page
+// mapped while a hole between live blocks, its pages mapped but with no boundary in it, could hold
+// the block (found by the fuzzer, 2026-12-06: 1 MiB refused beside a mapped hole of 1.24 MiB). Here
+// it goes in the first free block where it needs no page mapped (placement_in: the start, or a hole's
+// end), off the boundary: it pins only pages its neighbours pin already, and an allocation served
+// beats a packing rule kept. Returns the block carved out (allocated, not yet mapped), or null.
+Pool::Block* Pool::take_mapped_slot_off_boundary(Arena& arena, std::size_t rounded) {
+  if (!packs(arena) || rounded != kSlotBytes) return nullptr;
+  Block* chosen = nullptr;
+  bool at_end = false;
+  std::size_t budget = 1024;  // as fewest_unmapped_fit: thousands of free blocks, the smallest 1024
+  arena.free_blocks.for_each_fit(rounded, [&](Block* b) {
+    const Placement p = placement_in(b->region->pages, b, rounded);
+    if (p.unmapped == 0) chosen = b, at_end = p.at_end;
+    return !chosen && --budget != 0;
+  });
+  if (!chosen) return nullptr;
+  return carve(chosen, at_end ? chosen->address + chosen->size - rounded : chosen->address, rounded);
+}
+
 // Where in `block` (free, out of the free index, larger than or equal to `rounded`) the allocation
 // goes (placement_in: its start, or the end of a hole when that needs fewer unmapped pages); returns
 // it, allocated and split to `rounded`. A block placed so that it straddles the fewest unmapped pages

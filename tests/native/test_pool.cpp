@@ -405,6 +405,33 @@ TEST(release_before_oom_takes_pages_of_binned_free_blocks) {
   check_empty_after_trim(*s.pool, *s.dev);
 }
 
+TEST(slot_sized_block_goes_off_its_boundary_into_a_mapped_hole_rather_than_fail) {
+  // Two 2 MiB pages under a 4 MiB cap, both pinned by live small blocks; the hole [0.25, 1.5) MiB of the
+  // first page is mapped but holds no whole slot. Packed placement wants a slot boundary (the free tail,
+  // whose pages cannot be mapped under the cap); the last try before an OOM puts the block in the hole.
+  for (ReleasePolicy release : {ReleasePolicy::kLazy, ReleasePolicy::kHighWater}) {
+    Setup s(UpstreamKind::kPages, 64 * MiB, 4 * MiB, release);
+    const std::uintptr_t base = s.pool->allocate(256 * KiB, 7);
+    CHECK_EQ(base % (2 * MiB), std::uintptr_t(0));
+    std::vector<std::uintptr_t> hole = {s.pool->allocate(512 * KiB, 7), s.pool->allocate(512 * KiB, 7),
+                                        s.pool->allocate(256 * KiB, 7)};
+    const std::uintptr_t after_hole = s.pool->allocate(512 * KiB, 7);
+    const std::uintptr_t second_page[] = {s.pool->allocate(1 * MiB, 7), s.pool->allocate(1 * MiB, 7)};
+    CHECK_EQ(after_hole, base + 3 * MiB / 2);
+    CHECK_EQ(second_page[1], base + 3 * MiB);
+    for (std::uintptr_t x : hole) s.pool->free(x);
+    CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(4 * MiB));
+    const std::uintptr_t p = s.pool->allocate(1 * MiB, 7);
+    CHECK_EQ(p, base + 256 * KiB);  // off the slot boundary, in mapped pages: nothing more reserved
+    CHECK_EQ(s.pool->stats().num_ooms, std::int64_t(0));
+    CHECK_EQ(cur(s.pool->stats().reserved_bytes), std::int64_t(4 * MiB));
+    check_clean(*s.pool, *s.dev);
+    for (std::uintptr_t x : {base, after_hole, second_page[0], second_page[1], p}) s.pool->free(x);
+    s.dev->complete_all();
+    check_empty_after_trim(*s.pool, *s.dev);
+  }
+}
+
 TEST(segment_observer_sees_every_map_unmap_and_segment) {
   for (UpstreamKind kind : kKinds) {
     for (ReleasePolicy release : {ReleasePolicy::kLazy, ReleasePolicy::kHighWater}) {

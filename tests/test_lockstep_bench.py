@@ -418,3 +418,18 @@ def test_the_readmes_peer_line_at_6af2891_is_the_saved_comparisons():
     readme = (BENCH.parent / "README.md").read_text()
     at = readme.index("At 6af2891 (`gc_on_oom` off by default")
     assert f"```\n{line}\n```" in readme[at:at + 1500]
+
+
+def test_the_readmes_peer_line_at_89f74cc_is_the_saved_comparisons():
+    """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 89f74cc (one H100) is the
+    last line of the comparison saved from that run: one real regression, the one the README names, and
+    no test that fails with PyTorch's allocator and passes with gpumem."""
+    saved = (BENCH / "results" / "slot-fallback-2026-12-06" / "peer_compare_h100.txt").read_text()
+    assert "device=NVIDIA H100" in saved and "allocator_backend=gpumem" in saved
+    line = next(x for x in saved.splitlines() if x.startswith("PEER SUMMARY:"))
+    assert "REGRESSIONS 10 (real 1, native-internal 9) | reverse 0" in line
+    real = saved.split("== REAL REGRESSIONS")[1].split("\n==")[0]
+    assert "test_allocated_in_middle_of_segment" in real
+    readme = (BENCH.parent / "README.md").read_text()
+    at = readme.index("At 89f74cc (the pool fixes of the fuzz runs")
+    assert f"```\n{line}\n```" in readme[at:at + 1500]

@@ -21,8 +21,9 @@
 //    goes where it needs the fewest (Pool::place). Free pages anywhere in it can be unmapped, so free
 //    memory in the middle of a region goes back to the device ("reserved" = mapped pages). Small
 //    arenas pack instead (Pool::packed_fit): a block of exactly 1 MiB (a slot, half a page) starts on
-//    a slot boundary, and a block goes where it opens the fewest pages, then slots, that no other
-//    block uses, so that their live bytes pin few pages.
+//    a slot boundary (unless, as the last try before an out-of-memory error, only a mapped hole with
+//    no boundary holds it: take_mapped_slot_off_boundary), and a block goes where it opens the fewest
+//    pages, then slots, that no other block uses, so that their live bytes pin few pages.
 //  - On a segments upstream (cudaMalloc) an arena has many regions (segments), released only whole.
 //  - Release policy "lazy" (default): free pages stay cached (mapped) for reuse until trim(), or until
 //    the cap or the device runs short: then fully free pages anywhere, even between live blocks, are

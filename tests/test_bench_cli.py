@@ -12,11 +12,13 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
 BENCH = ROOT / "bench"
 SCRIPTS = ["compare_allocators.py", "soak.py", "batch_size_bench.py", "compile_bench.py", "workloads.py",
            "pressure.py", "pressure_workloads.py", "fsdp_bench.py", "mixed_pipeline.py", "report_bench.py",
@@ -213,6 +215,29 @@ def test_host_cost_saved_run_gives_the_readmes_table():
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
+    """README, "Reliability on the GPU, today's pool": the soak's steps, reserved MiB and the bitwise
+    comparison come from the two runs saved beside the peer comparison (bench/soak.py --compare)."""
+    saved = BENCH / "results" / "slot-fallback-2026-12-06"
+    runs = {n: json.loads((saved / f"soak_{n}.json").read_text()) for n in ("gpumem", "native")}
+    g, n = runs["gpumem"], runs["native"]
+    assert g["device"].startswith("NVIDIA H100") and g["allocator"] == "gpumem" and n["allocator"] == "native"
+    assert not g["crept"] and g["growth_after_minute1"] == 0
+    r = run([BENCH / "soak.py", "--compare", saved / "soak_gpumem.json", saved / "soak_native.json"], ROOT)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["identical"] and result["steps_compared"] == 453
+    mib = lambda b: f"{b // MiB:,}"  # noqa: E731
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    at = readme.index("Reliability on the GPU, today's pool")
+    section = readme[at:at + 2500]
+    assert f"{len(g['loss_hex']):,} steps with gpumem, reserved {mib(g['reserved_minute1_peak'])} MiB" in section
+    assert mib(g["reserved_last_window_peak"]) == mib(g["reserved_minute1_peak"])
+    assert f"up to {mib(n['reserved_minute1_peak'])} MiB" in section
+    assert f"({mib(n['reserved_last_window_peak'])} MiB in its last window)" in section
+    assert f"over the {result['steps_compared']} steps both ran" in section
+
+
 def test_gpu_session_names_its_phases(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh")], cwd=tmp_path, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
@@ -249,6 +274,39 @@ def test_gpu_suite_parts_hold_every_gpu_test_file_once(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh"), "suite-part", "4"], cwd=tmp_path,
                        capture_output=True, text=True, env=dict(os.environ, OUT=str(tmp_path), LIST="1"), timeout=60)
     assert r.returncode == 2 and "1, 2 or 3" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None, reason="needs bash, setsid")
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_session_soak_runs_the_reference_after_gpumem_on_one_gpu(tmp_path, gpus):
+    """soak-start with a stand-in python3 (it answers the GPU count and logs each soak run's start and
+    end): with two GPUs the native reference runs on the last one alongside gpumem's run; with one, after
+    it (side by side on one H100 the reference's cache ran gpumem's run out of memory, 2026-12-06)."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    log = tmp_path / "calls"
+    (shim / "python3").write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        if [ "$1" = "-c" ]; then echo {gpus}; exit 0; fi
+        echo "start $CUDA_VISIBLE_DEVICES $3" >> {log}; sleep 0.5; echo "end $CUDA_VISIBLE_DEVICES $3" >> {log}
+        """))
+    (shim / "python3").chmod(0o755)
+    soak = tmp_path / "soak"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SOAK=str(soak), MINUTES="1",
+               PATH=f"{shim}:{os.environ['PATH']}")
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh"), "soak-start"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "soak started" in r.stdout, r.stdout + r.stderr
+    for _ in range(100):
+        if (soak / "gpumem.done").exists() and (soak / "native.done").exists():
+            break
+        time.sleep(0.1)
+    calls = log.read_text().splitlines()
+    if gpus == 1:
+        assert calls == ["start 0 gpumem", "end 0 gpumem", "start 0 native", "end 0 native"]
+    else:
+        assert sorted(calls) == ["end 0 gpumem", "end 1 native", "start 0 gpumem", "start 1 native"]
+        assert calls.index("start 1 native") < calls.index("end 0 gpumem")  # alongside
 
 
 def test_fsdp_bench_compare_reads_every_rank_and_flags_differing_losses(tmp_path):

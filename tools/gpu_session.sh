@@ -13,20 +13,22 @@
 #   bash tools/gpu_session.sh batch [ALLOC] [MODELS]  # batch_size_bench (MODELS: default all five; split
 #                                              # as resnet,gpt,bert and gen,seqlen: each call < 8 min)
 #   bash tools/gpu_session.sh ddp              # 2-rank DDP soak with gpumem on both ranks, alone
-#   bash tools/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0), native reference (last GPU)
+#   bash tools/gpu_session.sh soak-start       # 10-min gpumem soak (GPU 0; MINUTES=N), native reference
+#                                              # (last GPU alongside; on one GPU after it)
 #   bash tools/gpu_session.sh soak-collect     # waits for the soak, compares losses, copies summaries
 #   bash tools/gpu_session.sh report           # gpumem.report: live training, 10^6 events; gpumem, native
 #   KIT=DIR bash tools/gpu_session.sh peer     # PyTorch's allocator tests, native vs gpumem (DIR: a carried
 #                                              # copy of ../shared/torch_tests)
 #
 # The soak outlasts one call (10 minutes of steps plus start-up), so soak-start detaches it (setsid)
-# and soak-collect, in a call made while the machine is still warm, picks it up. compare, ddp and the
+# and soak-collect, in a call made while the machine is still warm, picks it up (on one GPU, where the
+# reference runs after gpumem's run, it may take two soak-collect calls). compare, ddp and the
 # soak run the workloads of bench/workloads.py; WORKLOADS=PATH runs another workloads file instead.
 # Phases that measure speed must not share a GPU with another phase.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 source "$(dirname "$SELF")/gpu_env.sh"  # working directory, $OUT, /tmp/site
-SOAK=/tmp/gpumem-soak
+SOAK=${SOAK:-/tmp/gpumem-soak}  # where soak-start leaves the detached runs for soak-collect
 WL=${WORKLOADS:+--workloads $WORKLOADS}
 gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
 
@@ -139,14 +141,20 @@ case "${1:-}" in
   soak-start)
     rm -rf "$SOAK" && mkdir -p "$SOAK"
     last=$(( $(gpus) - 1 ))
-    setsid bash -c "CUDA_VISIBLE_DEVICES=0 python3 bench/soak.py --allocator gpumem --minutes 10 \
-        $WL --out $SOAK/soak_gpumem.json > $SOAK/soak_gpumem.log 2>&1; touch $SOAK/gpumem.done" \
-      < /dev/null > /dev/null 2>&1 &
-    # The reference for the bitwise loss comparison needs fewer steps; on its own GPU it runs alongside.
-    setsid bash -c "CUDA_VISIBLE_DEVICES=$last python3 bench/soak.py --allocator native --minutes ${NATIVE_MINUTES:-3} \
-        $WL --out $SOAK/soak_native.json > $SOAK/soak_native.log 2>&1; touch $SOAK/native.done" \
-      < /dev/null > /dev/null 2>&1 &
-    echo "soak started at $(date -u +%T); collect after $(date -u -d '+11 min' +%T)"
+    gpumem_run="CUDA_VISIBLE_DEVICES=0 python3 bench/soak.py --allocator gpumem --minutes ${MINUTES:-10} \
+        $WL --out $SOAK/soak_gpumem.json > $SOAK/soak_gpumem.log 2>&1; touch $SOAK/gpumem.done"
+    # The reference for the bitwise loss comparison needs fewer steps.
+    native_run="CUDA_VISIBLE_DEVICES=$last python3 bench/soak.py --allocator native --minutes ${NATIVE_MINUTES:-3} \
+        $WL --out $SOAK/soak_native.json > $SOAK/soak_native.log 2>&1; touch $SOAK/native.done"
+    if [ "$last" -ge 1 ]; then  # on its own GPU the reference runs alongside
+      setsid bash -c "$gpumem_run" < /dev/null > /dev/null 2>&1 &
+      setsid bash -c "$native_run" < /dev/null > /dev/null 2>&1 &
+      minutes=$(( ${MINUTES:-10} + 1 ))
+    else  # one GPU: after gpumem's run (side by side, native's cache of ~60 GiB ran gpumem out of memory)
+      setsid bash -c "$gpumem_run; $native_run" < /dev/null > /dev/null 2>&1 &
+      minutes=$(( ${MINUTES:-10} + ${NATIVE_MINUTES:-3} + 2 ))
+    fi
+    echo "soak started at $(date -u +%T); collect after $(date -u -d "+$minutes min" +%T)"
     ;;
   soak-collect)
     [ -d "$SOAK" ] || { echo "no soak on this machine (a fresh machine: the soak was lost)"; exit 3; }

@@ -292,11 +292,12 @@ def test_gpu_session_soak_runs_the_reference_after_gpumem_on_one_gpu(tmp_path, g
         """))
     (shim / "python3").chmod(0o755)
     soak = tmp_path / "soak"
-    env = dict(os.environ, OUT=str(tmp_path / "out"), SOAK=str(soak), MINUTES="1",
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SOAK=str(soak), MINUTES="1.5",
                PATH=f"{shim}:{os.environ['PATH']}")
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh"), "soak-start"], cwd=tmp_path,
                        capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 0 and "soak started" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "soak started" in r.stdout and "collect after" in r.stdout, r.stdout + r.stderr
+    assert not r.stderr, r.stderr
     for _ in range(100):
         if (soak / "gpumem.done").exists() and (soak / "native.done").exists():
             break

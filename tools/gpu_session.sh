@@ -141,6 +141,7 @@ case "${1:-}" in
   soak-start)
     rm -rf "$SOAK" && mkdir -p "$SOAK"
     last=$(( $(gpus) - 1 ))
+    whole=${MINUTES:-10}; whole=${whole%.*}  # MINUTES may be fractional (soak.py takes a float)
     gpumem_run="CUDA_VISIBLE_DEVICES=0 python3 bench/soak.py --allocator gpumem --minutes ${MINUTES:-10} \
         $WL --out $SOAK/soak_gpumem.json > $SOAK/soak_gpumem.log 2>&1; touch $SOAK/gpumem.done"
     # The reference for the bitwise loss comparison needs fewer steps.
@@ -149,10 +150,10 @@ case "${1:-}" in
     if [ "$last" -ge 1 ]; then  # on its own GPU the reference runs alongside
       setsid bash -c "$gpumem_run" < /dev/null > /dev/null 2>&1 &
       setsid bash -c "$native_run" < /dev/null > /dev/null 2>&1 &
-      minutes=$(( ${MINUTES:-10} + 1 ))
+      minutes=$(( whole + 2 ))
     else  # one GPU: after gpumem's run (side by side, native's cache of ~60 GiB ran gpumem out of memory)
       setsid bash -c "$gpumem_run; $native_run" < /dev/null > /dev/null 2>&1 &
-      minutes=$(( ${MINUTES:-10} + ${NATIVE_MINUTES:-3} + 2 ))
+      minutes=$(( whole + ${NATIVE_MINUTES:-3} + 3 ))
     fi
     echo "soak started at $(date -u +%T); collect after $(date -u -d "+$minutes min" +%T)"
     ;;

@@ -223,12 +223,9 @@ std::size_t Pool::release_cached_units(std::size_t target) {
       // device's) these include binned blocks: scanning the size class lists alone, a free block of
       // 64 KiB pages that was 1 MiB kept its pages through the release before an out-of-memory
       // error, which then said no where that block fitted (the fuzzer, 2026-12-06).
-      std::size_t smallest_page = std::numeric_limits<std::size_t>::max();
-      for (const auto& region : arena.regions) smallest_page = std::min(smallest_page, region->pages.page());
+      // Every paged region counts pages of the upstream's granularity (add_paged_region).
       std::vector<Block*> candidates;
-      arena.free_blocks.for_each_largest_first(smallest_page, [&](Block* b) {
-        if (b->size >= b->region->pages.page()) candidates.push_back(b);
-      });
+      arena.free_blocks.for_each_largest_first(page_size_, [&](Block* b) { candidates.push_back(b); });
       for (Block* b : candidates) {
         if (released >= target) break;
         released += release_pages_of(b, target - released);

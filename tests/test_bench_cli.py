@@ -214,7 +214,6 @@ def test_host_cost_saved_run_gives_the_readmes_table():
         assert f"| {r['allocator']} | {cells} |" in table, (r["allocator"], cells)
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
     """README, "Reliability on the GPU, today's pool": the soak's steps, reserved MiB and the bitwise
     comparison come from the two runs saved beside the peer comparison (bench/soak.py --compare)."""
@@ -238,6 +237,7 @@ def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
     assert f"over the {result['steps_compared']} steps both ran" in section
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_session_names_its_phases(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_session.sh")], cwd=tmp_path, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)

@@ -407,29 +407,34 @@ def test_the_gc_default_stops_ckpt_figures_come_from_the_saved_runs():
     assert "H200, 6af2891, 19 rounds: **1.0057**" in readme and "36 rounds: **1.0055**" in readme
 
 
+def saved_peer_comparison(folder, name, readme_marker):
+    """A peer-kit comparison saved under bench/results/FOLDER: its text, its PEER SUMMARY line and its
+    REAL REGRESSIONS section, after checking that the README quotes that line, word for word, in the
+    paragraph that starts with `readme_marker`."""
+    saved = (BENCH / "results" / folder / name).read_text()
+    line = next(x for x in saved.splitlines() if x.startswith("PEER SUMMARY:"))
+    real = saved.split("== REAL REGRESSIONS")[1].split("\n==")[0]
+    readme = (BENCH.parent / "README.md").read_text()
+    at = readme.index(readme_marker)
+    assert f"```\n{line}\n```" in readme[at:at + 1500]
+    return saved, line, real
+
+
 def test_the_readmes_peer_line_at_6af2891_is_the_saved_comparisons():
     """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 6af2891 is the last line
     of the comparison saved from that run, and its one real regression is the one the README names."""
-    saved = (BENCH / "results" / "gc-default-2026-12-06" / "peer_compare_h200.txt").read_text()
-    line = next(x for x in saved.splitlines() if x.startswith("PEER SUMMARY:"))
+    _, line, real = saved_peer_comparison("gc-default-2026-12-06", "peer_compare_h200.txt",
+                                          "At 6af2891 (`gc_on_oom` off by default")
     assert "REGRESSIONS 11 (real 1, native-internal 10)" in line
-    real = saved.split("== REAL REGRESSIONS")[1].split("\n==")[0]
     assert "test_allocated_in_middle_of_segment" in real and "limited_memory" not in real
-    readme = (BENCH.parent / "README.md").read_text()
-    at = readme.index("At 6af2891 (`gc_on_oom` off by default")
-    assert f"```\n{line}\n```" in readme[at:at + 1500]
 
 
 def test_the_readmes_peer_line_at_89f74cc_is_the_saved_comparisons():
     """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 89f74cc (one H100) is the
     last line of the comparison saved from that run: one real regression, the one the README names, and
     no test that fails with PyTorch's allocator and passes with gpumem."""
-    saved = (BENCH / "results" / "slot-fallback-2026-12-06" / "peer_compare_h100.txt").read_text()
+    saved, line, real = saved_peer_comparison("slot-fallback-2026-12-06", "peer_compare_h100.txt",
+                                              "At 89f74cc (the pool fixes of the fuzz runs")
     assert "device=NVIDIA H100" in saved and "allocator_backend=gpumem" in saved
-    line = next(x for x in saved.splitlines() if x.startswith("PEER SUMMARY:"))
     assert "REGRESSIONS 10 (real 1, native-internal 9) | reverse 0" in line
-    real = saved.split("== REAL REGRESSIONS")[1].split("\n==")[0]
     assert "test_allocated_in_middle_of_segment" in real
-    readme = (BENCH.parent / "README.md").read_text()
-    at = readme.index("At 89f74cc (the pool fixes of the fuzz runs")
-    assert f"```\n{line}\n```" in readme[at:at + 1500]

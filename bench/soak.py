@@ -9,7 +9,7 @@ divergence show up.
 
 Each run writes JSON (per rank: rank r > 0 writes NAME.rankR.json): the loss of every step (exact,
 as float.hex), reserved / allocated / device-used bytes after every step with their times, and a
-summary. It prints reserved at minute 1 against the last minute, and whether reserved crept by more
+summary (with torch's peak reserved and allocated bytes, which happen within steps). It prints reserved at minute 1 against the last minute, and whether reserved crept by more
 than one segment (--tolerance-mib, default 20 MiB: PyTorch's large segment) after warm-up.
 
 --compare A B checks that the losses of the steps both runs made are bitwise identical (the runs
@@ -172,6 +172,11 @@ def run(args):
             if "deterministic" in text and text not in nondeterministic:
                 nondeterministic.append(text)
 
+    peaks = {}
+    try:
+        peaks = dict(reserved=torch.cuda.max_memory_reserved(), allocated=torch.cuda.max_memory_allocated())
+    except RuntimeError:  # an allocator without stats
+        pass
     win = min(args.window, limit / 2) if limit > 0 else args.window
     series = list(zip(samples_t, reserved))
     end = samples_t[-1]
@@ -186,8 +191,11 @@ def run(args):
         window_s=win, reserved_minute1_peak=first, reserved_last_window_peak=last,
         reserved_peak_after_minute1=after_warmup, growth_after_minute1=growth, tolerance_bytes=tolerance,
         crept=None if growth is None else growth > tolerance,
-        reserved_at_end=reserved[-1], max_reserved=max(reserved), max_allocated=max(allocated),
-        peak_device_used=max(used),
+        # The samples are taken between steps, when a step's activations are gone: their maxima are
+        # not the peaks. The peaks within steps are torch's (None where the allocator keeps no stats).
+        reserved_at_end=reserved[-1], max_reserved_after_step=max(reserved),
+        max_allocated_after_step=max(allocated), peak_reserved=peaks.get("reserved"),
+        peak_allocated=peaks.get("allocated"), peak_device_used_after_step=max(used),
         final_loss=losses[-1], nondeterministic_ops=nondeterministic,
         torch=torch.__version__, device=torch.cuda.get_device_name(), sdpa=args.sdpa,
         deterministic=args.deterministic)

@@ -51,6 +51,11 @@ static std::size_t pages_pinned(const PageMap& pages, const Block* b, std::size_
 // 1.0079x to 1.0111x; the other traces do not change.
 constexpr std::size_t kPinnedPageWeight = 16;
 
+// How many free blocks, smallest first, the placement scans below (fewest_unmapped_fit, packed_fit,
+// take_mapped_slot_off_boundary) look at before they settle for the best found: a pool with
+// thousands of free blocks scans 1024 of them, so that a request costs a bounded time.
+constexpr std::size_t kFitScanLimit = 1024;
+
 // Which free block of the arena takes `rounded` bytes: the best fit (`best`, the smallest that fits),
 // unless it needs pages mapped and a larger free block needs fewer, counting each page it would pin
 // beyond the best fit as kPinnedPageWeight pages to map.
@@ -70,7 +75,7 @@ Pool::Block* Pool::fewest_unmapped_fit(const Arena& arena, Block* best, std::siz
   const std::size_t best_pins = pages_pinned(pages, best, rounded);
   std::size_t best_cost = fewest;
   Block* chosen = best;
-  std::size_t budget = 1024;  // a pool with thousands of free blocks scans the smallest 1024
+  std::size_t budget = kFitScanLimit;
   arena.free_blocks.for_each_fit(rounded, [&](Block* b) {
     if (b != best) {
       const std::size_t n = needed(b);
@@ -154,7 +159,7 @@ Pool::Block* Pool::packed_fit(const Arena& arena, Block* best, std::size_t round
   const std::size_t page = upstream_->page_size();
   Block* chosen = nullptr;
   PackedPlacement fewest{};
-  std::size_t budget = 1024;  // as fewest_unmapped_fit: thousands of free blocks, the smallest 1024
+  std::size_t budget = kFitScanLimit;
   // `best` is the smallest block that fits: the scan starts at its size, past the bins below it.
   arena.free_blocks.for_each_fit(best->size, [&](Block* b) {
     const PackedPlacement p = packed_placement(b, rounded, page, kSlotBytes);
@@ -175,7 +180,7 @@ Pool::Block* Pool::take_mapped_slot_off_boundary(Arena& arena, std::size_t round
   if (!packs(arena) || rounded != kSlotBytes) return nullptr;
   Block* chosen = nullptr;
   bool at_end = false;
-  std::size_t budget = 1024;  // as fewest_unmapped_fit: thousands of free blocks, the smallest 1024
+  std::size_t budget = kFitScanLimit;
   arena.free_blocks.for_each_fit(rounded, [&](Block* b) {
     const Placement p = placement_in(b->region->pages, b, rounded);
     if (p.unmapped == 0) chosen = b, at_end = p.at_end;

@@ -451,6 +451,22 @@ def driver_text(row, prefix):
     return "-" if d is None or w is None else f"{d:.2f}/{w:.2f}"
 
 
+PAGE_BYTES = 2 << 20  # the driver's granularity for physical memory on the GPUs measured (H100, H200)
+
+
+def page_floor(peak_allocated, page=PAGE_BYTES):
+    """The lowest cap (x P) that an allocator whose reserved memory is bounded by the cap and made of
+    whole pages can reach: P rounded up to a page, every page filled. native, expandable_segments and
+    gpumem reserve whole 2 MiB pages (segments rounded to them); a lowest cap below this floor bounds
+    something else (cudaMallocAsync's fraction bounds the bytes torch hands out, not what the driver's
+    pool reserves). P counts each tensor rounded to 512 B (native's rounding): the bytes asked for are
+    at most 511 B a live tensor fewer, which moves the floor only where P lies that close above a
+    page boundary. None without P."""
+    if not peak_allocated:
+        return None
+    return -(-peak_allocated // page) * page / peak_allocated
+
+
 # (width, header): each wider than its header, so that headers of several words stay apart.
 COLUMNS = ((9, "workload"), (10, "allocator"), (10, "0-OOM cap"), (8, "vs best"), (8, "ms free"), (8, "vs best"),
            (11, "ms free st"), (11, "vs best st"), (9, "ms @1.05"), (5, "ooms"), (7, "vs exp"), (12, "ms @1.05 st"),
@@ -484,6 +500,11 @@ def table(results: dict, bound: str = "fraction") -> str:
                      fmt(r.get("reserved_over_allocated")), fmt(r.get("reserved_over_cap"), ".4f")]
             lines.append(line(cells) + (f"  error: {r['error']}" if r.get("error") else "")
                          + (f"  capped error: {r['capped_error']}" if r.get("capped_error") else ""))
+    for w, res in results.items():
+        floor = page_floor(res.get("peak_allocated"))
+        if floor is not None:
+            lines.append(f"{w}: P {res['peak_allocated'] / (1 << 20):,.1f} MiB; page floor {floor:.4f}x "
+                         f"({-(-res['peak_allocated'] // PAGE_BYTES):,} pages of 2 MiB, every page full)")
     lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
                  "unfinished, '>x': none up to x); vs best: / the best PyTorch allocator's; ms free: step time "
                  "uncapped, first pass over the steps (each shape new: its one-time costs, no allocator's); "
@@ -492,7 +513,8 @@ def table(results: dict, bound: str = "fraction") -> str:
                  "expandable_segments'; calls st: device allocs + frees per step of the steady pass at "
                  "1.05x; drv/wait: gpumem's host ms per steady step in driver calls / waiting for the device, "
                  "uncapped and at 1.05x; res/cap: the highest max reserved / cap of its passing capped runs "
-                 "(above 1: it held more of the device than the cap).")
+                 "(above 1: it held more of the device than the cap); page floor: P rounded up to whole "
+                 "2 MiB pages, / P: no allocator whose reserved memory the cap bounds goes below it.")
     if bound == "device":
         lines.append("Caps bound the device's memory (--bound device): a ballast outside the allocator left "
                      "it the cap, after one unmeasured pass over the steps.")

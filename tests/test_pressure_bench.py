@@ -637,3 +637,34 @@ def test_a_gpumem_name_with_a_build_directory_runs_that_build(tmp_path):
     assert r.returncode == 2 and f"gpumem@{tmp_path / 'missing'}" in r.stderr
     r = run("allocfree", f"gpumem@{tmp_path / 'missing'}", script="pressure_workloads.py")
     assert r.returncode == 2 and "holds a gpumem package" in r.stderr
+
+
+def test_the_table_names_each_workloads_page_floor():
+    """Under the rows, each workload's P and its page floor: P rounded up to whole 2 MiB pages, / P. On
+    allocfree's saved GPU run (P 986,985,472 B, 941.3 MiB) that is 471 pages, 1.0008x: no allocator
+    whose reserved memory the cap bounds in whole pages goes below it, whatever its placement."""
+    P = 986_985_472
+    assert pressure.page_floor(P) == 471 * (2 << 20) / P
+    assert pressure.page_floor(4 << 20) == 1.0 and pressure.page_floor((4 << 20) + 1) > 1.49
+    assert pressure.page_floor(None) is None and pressure.page_floor(0) is None
+    text = pressure.table({"allocfree": dict(peak_allocated=P, rows=table_rows())})
+    assert "allocfree: P 941.3 MiB; page floor 1.0008x (471 pages of 2 MiB, every page full)" in text
+    assert "page floor" not in pressure.table({"moe": dict(rows=table_rows())}).splitlines()[-2]
+
+
+def test_the_readmes_page_floor_of_allocfree_is_the_saved_runs():
+    """README, the packed small arenas' GPU figures: allocfree's page floor and the pages that
+    cudaMallocAsync's and gpumem's caps come to are those of the saved search."""
+    import gzip
+    saved = json.load(gzip.open(BENCH / "results" / "packed-small-2026-12-06" / "allocfree_pressure.json.gz"))
+    res = saved["results"]["allocfree"]
+    P, rows = res["peak_allocated"], {r["allocator"]: r for r in res["rows"]}
+    pages = lambda cap: cap * P / (2 << 20)  # noqa: E731
+    readme = " ".join((BENCH.parent / "README.md").read_text().split())
+    assert (f"P is {P / (1 << 20):.1f} MiB, which takes at least {-(-P // (2 << 20))} pages of 2 MiB, the "
+            f"**page floor** of {pressure.page_floor(P):.4f}x") in readme
+    assert f"cudaMallocAsync's passing {rows['async']['lowest_cap']} is {pages(rows['async']['lowest_cap']):.1f} pages'" in readme
+    g = rows["gpumem"]
+    assert (f"gpumem passes at {g['lowest_cap']} ({pages(g['lowest_cap']):.1f} pages) and fails at "
+            f"{g['highest_failing']} ({pages(g['highest_failing']):.1f})") in readme
+    assert int(pages(g["lowest_cap"])) == -(-P // (2 << 20)) + 1 > pages(g["highest_failing"])

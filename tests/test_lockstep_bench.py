@@ -438,3 +438,18 @@ def test_the_readmes_peer_line_at_89f74cc_is_the_saved_comparisons():
     assert "device=NVIDIA H100" in saved and "allocator_backend=gpumem" in saved
     assert "REGRESSIONS 10 (real 1, native-internal 9) | reverse 0" in line
     assert "test_allocated_in_middle_of_segment" in real
+
+
+def test_the_readmes_peer_line_at_fa1e1ec_and_its_cascade_are_the_saved_runs():
+    """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for fa1e1ec (one H100) is the
+    saved comparison's, and the saved pair run shows the one real regression passing alone and failing
+    only after the native-internal test before it, at the counts the README gives."""
+    saved, line, real = saved_peer_comparison("verify-2026-12-06b", "peer_compare_h100.txt",
+                                              "At fa1e1ec (the release walk of 08f4b9b")
+    assert "device=NVIDIA H100" in saved and "allocator_backend=gpumem" in saved
+    assert "REGRESSIONS 10 (real 1, native-internal 9) | reverse 0" in line
+    assert "test_allocated_in_middle_of_segment" in real
+    alone, pair = (BENCH / "results" / "verify-2026-12-06b" / "peer_cascade_h100.txt").read_text().split("\n\n")
+    assert "test_allocated_in_middle_of_segment PASSED" in alone and "1 tests: 1 passed" in alone
+    assert pair.index("test_allocate_in_thread_to_pool FAILED") < pair.index("test_allocated_in_middle_of_segment FAILED")
+    assert "Expected 4 but got 2." in pair and "Expected 0 but got 2." in pair and "Expected 2 but got 0." in pair

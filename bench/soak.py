@@ -9,8 +9,9 @@ divergence show up.
 
 Each run writes JSON (per rank: rank r > 0 writes NAME.rankR.json): the loss of every step (exact,
 as float.hex), reserved / allocated / device-used bytes after every step with their times, and a
-summary (with torch's peak reserved and allocated bytes, which happen within steps). It prints reserved at minute 1 against the last minute, and whether reserved crept by more
-than one segment (--tolerance-mib, default 20 MiB: PyTorch's large segment) after warm-up.
+summary (with torch's peak reserved and allocated bytes, reached within steps). It prints reserved
+at minute 1 against the last minute, and whether reserved crept by more than one segment
+(--tolerance-mib, default 20 MiB: PyTorch's large segment) after warm-up.
 
 --compare A B checks that the losses of the steps both runs made are bitwise identical (the runs
 stop on time, so they compare over the shorter one) and names the first step that differs. For a

@@ -60,3 +60,54 @@ def test_unfinished_or_missing_log_fails(tmp_path):
     (tmp_path / "memcheck.4242.log").unlink()
     p = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "0", "1"], capture_output=True, text=True)
     assert p.returncode == 1 and "checked nothing" in p.stdout
+
+
+STAND_IN_TOOL = r"""#!/usr/bin/env bash
+# compute-sanitizer's command line, without the tool: runs the program after its flags and writes the
+# log --log-file names (%p: this pid), with the ERROR SUMMARY line the real tool writes when it ends.
+if [ "$1" = "--version" ]; then echo "stand-in compute-sanitizer"; exit 0; fi
+log=""
+while [ $# -gt 0 ] && [ "$1" != python ]; do
+  case "$1" in --log-file) log="$2"; shift 2 ;; *) shift ;; esac
+done
+log=${log//%p/$$}
+echo "========= COMPUTE-SANITIZER" > "$log"
+"$@"; rc=$?
+echo "========= ERROR SUMMARY: 0 errors" >> "$log"
+exit $rc
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs bash")
+def test_a_budget_stops_the_groups_still_running_and_names_their_tests(tmp_path):
+    """compute_sanitizer.sh with SANITIZER_BUDGET_S, under a stand-in for the tool (the real one needs a
+    GPU): the group that finished is printed and judged, the one still running at the budget is
+    stopped (its log has no ERROR SUMMARY: incomplete, exit 1), and its test that did not finish is
+    written to notrun.txt, the form a later call takes back."""
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    for name in ("compute_sanitizer.sh", "sanitizer_summary.py"):
+        (repo / "tools" / name).write_text((SCRIPT.parent / name).read_text())
+    (repo / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_three.py").write_text(
+        "import time\nimport pytest\n\n"
+        "@pytest.mark.gpu\ndef test_fast():\n    pass\n\n"
+        "@pytest.mark.gpu\ndef test_slow():\n    time.sleep(300)\n\n"
+        "@pytest.mark.gpu\ndef test_other():\n    pass\n")
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text(STAND_IN_TOOL)
+    tool.chmod(0o755)
+    logs = tmp_path / "logs"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "COMPUTE_SANITIZER": str(tool),
+           "LOG_DIR": str(logs), "SHARDS": "2", "SANITIZER_BUDGET_S": "20", "HOME": str(tmp_path)}
+    p = subprocess.run(["bash", str(repo / "tools" / "compute_sanitizer.sh"), "-m", "gpu", "tests"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert "3 tests in 2 groups at once" in out and "(for at most 20 s)" in out, out
+    assert "--- group 0 (pytest exit 0)" in out and "tests/test_three.py::test_other PASSED" in out, out
+    assert "--- group 1 (pytest exit 124, stopped at the budget)" in out, out
+    assert (logs / "notrun.txt").read_text() == "tests/test_three.py::test_slow\n"
+    assert "1 of 3 tests did not finish" in out
+    assert "[incomplete]" in out and "0 errors in 2 log(s)" in out and "pytest exit 124" in out, out

@@ -6,6 +6,7 @@
 #   bash tools/compute_sanitizer.sh                    # python -m pytest -m gpu tests/gpu -x -q
 #   bash tools/compute_sanitizer.sh -m gpu tests/gpu/test_torch_bridge_gpu.py -q   # other pytest args
 #   SHARDS=3 bash tools/compute_sanitizer.sh -m gpu tests/gpu/test_integrations_gpu.py   # 3 at once
+#   SHARDS=3 SANITIZER_BUDGET_S=500 bash tools/compute_sanitizer.sh -m gpu tests/gpu   # stop in time
 #
 # Environment:
 #   SHARDS                   N > 1: collect the tests the arguments select, deal them round-robin into N
@@ -15,6 +16,14 @@
 #                            tool slows each process many times over while the GPU and the CPU cores
 #                            mostly wait, so tests that each start their own Python (the integration
 #                            tests) finish about N times sooner. One summary over every group's logs.
+#   SANITIZER_BUDGET_S       seconds the groups may run (default 0: no limit). Past it the groups still
+#                            running are stopped (their tool processes write no ERROR SUMMARY, so the
+#                            verdict is "incomplete", exit 1), every group's output is still printed, and
+#                            the tests that did not finish are written to LOG_DIR/notrun.txt, to pass to a
+#                            later call: bash tools/compute_sanitizer.sh -m gpu $(cat notrun.txt). Why: a
+#                            GPU machine's calls end at 10 minutes, and a call cut from outside (timeout)
+#                            prints nothing of the groups that had finished. Runs the tests in groups as
+#                            SHARDS does (one group where SHARDS is 1).
 #   COMPUTE_SANITIZER        path of the compute-sanitizer binary (default: PATH, then CUDA installs)
 #   COMPUTE_SANITIZER_FLAGS  extra flags, e.g. "--show-backtrace yes" to see where an error came from
 #                            (see below), "--leak-check full" (gpumem keeps its pool until exit, so leak
@@ -83,11 +92,13 @@ memcheck() {  # memcheck ARGS: python -m pytest ARGS under the tool, logs in LOG
 
 SHARDS=${SHARDS:-1}
 [[ "$SHARDS" =~ ^[1-9][0-9]*$ ]] || { echo "SHARDS must be a positive integer, not '$SHARDS'" >&2; exit 2; }
-rm -f "$LOG_DIR"/pytest.shard*.log "$LOG_DIR/tests.txt" "$LOG_DIR/collect.log"
+BUDGET=${SANITIZER_BUDGET_S:-0}
+[[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "SANITIZER_BUDGET_S must be whole seconds, not '$BUDGET'" >&2; exit 2; }
+rm -f "$LOG_DIR"/pytest.shard*.log "$LOG_DIR/tests.txt" "$LOG_DIR/collect.log" "$LOG_DIR/notrun.txt"
 
 echo "$("$CS" --version | tail -1); logs in $LOG_DIR"
 start=$(date +%s)
-if [[ "$SHARDS" -eq 1 ]]; then
+if [[ "$SHARDS" -eq 1 && "$BUDGET" -eq 0 ]]; then
   echo "+ $CS --tool memcheck --target-processes all ... python -m pytest $*"
   memcheck "$@"
   rc=$?
@@ -113,22 +124,59 @@ EOF
     echo "collecting the tests failed (pytest exit $crc) or selected none: nothing ran under the tool" >&2
     exit 2
   fi
-  echo "+ ${#ids[@]} tests in $SHARDS groups at once: $CS --tool memcheck ... python -m pytest -m gpu ... NODE_IDS"
+  limit=""; [[ "$BUDGET" -gt 0 ]] && limit=" (for at most $BUDGET s)"
+  echo "+ ${#ids[@]} tests in $SHARDS groups at once: $CS --tool memcheck ... python -m pytest -m gpu ... NODE_IDS$limit"
+  set -m  # each group in a process group of its own, so that a group past the budget stops whole
   pids=()
   for ((k = 0; k < SHARDS && k < ${#ids[@]}; k++)); do
     group=()
     for ((i = k; i < ${#ids[@]}; i += SHARDS)); do group+=("${ids[i]}"); done
-    memcheck -m gpu -q -rfEs -p no:cacheprovider "${group[@]}" > "$LOG_DIR/pytest.shard$k.log" 2>&1 &
+    # -v: a line per test with its outcome, which tells the tests a stopped group did not finish
+    memcheck -m gpu -v -rfEs -p no:cacheprovider "${group[@]}" > "$LOG_DIR/pytest.shard$k.log" 2>&1 &
     pids+=($!)
   done
+  set +m
+  stopped=" "
+  if [[ "$BUDGET" -gt 0 ]]; then
+    while (( $(date +%s) < start + BUDGET )); do
+      alive=0
+      for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      [[ $alive -eq 0 ]] && break
+      sleep 1
+    done
+    for k in "${!pids[@]}"; do
+      kill -0 "${pids[k]}" 2>/dev/null && { stopped+="$k "; kill -TERM -- "-${pids[k]}" 2>/dev/null; }
+    done
+    if [[ "$stopped" != " " ]]; then
+      sleep 5
+      for k in $stopped; do kill -KILL -- "-${pids[k]}" 2>/dev/null; done
+    fi
+  fi
   rc=0
   for k in "${!pids[@]}"; do
     wait "${pids[k]}"
-    r=$?
-    echo "--- group $k (pytest exit $r): $LOG_DIR/pytest.shard$k.log"
+    r=$? how=""
+    [[ "$stopped" == *" $k "* ]] && r=124 how=", stopped at the budget"
+    echo "--- group $k (pytest exit $r$how): $LOG_DIR/pytest.shard$k.log"
     cat "$LOG_DIR/pytest.shard$k.log"
+    [[ -n "$(tail -c 1 "$LOG_DIR/pytest.shard$k.log")" ]] && echo  # a stopped group's last line is cut
     [[ $r -ne 0 && $rc -eq 0 ]] && rc=$r
   done
+  # The tests no group gave an outcome for (pytest -v: "NODE_ID PASSED"): those a stopped group did not finish.
+  python - "$LOG_DIR" <<'EOF'
+import glob, os, re, sys
+log_dir = sys.argv[1]
+ids = open(os.path.join(log_dir, "tests.txt")).read().split()
+text = "".join(open(p, errors="replace").read() for p in glob.glob(os.path.join(log_dir, "pytest.shard*.log")))
+done = set(re.findall(r"^(\S+) (?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", text, re.M))
+left = [i for i in ids if i not in done]
+if left:
+    path = os.path.join(log_dir, "notrun.txt")
+    with open(path, "w") as f:
+        f.write("".join(i + "\n" for i in left))
+    print(f"{len(left)} of {len(ids)} tests did not finish: {path} "
+          f"(run them in a later call: bash tools/compute_sanitizer.sh -m gpu $(cat {path}))")
+EOF
 fi
 elapsed=$(( $(date +%s) - start ))
 

@@ -8,6 +8,8 @@
 #                                              # call (the whole suite does not fit one);
 #                                              # LIST=1 prints the part's files only
 #   bash tools/gpu_session.sh sanitizer [TESTS] # the suite (or TESTS) under compute-sanitizer memcheck, alone
+#                                              # (SHARDS=N: N groups at once; SANITIZER_BUDGET_S=S: stops
+#                                              # in time, lists the tests left in $OUT/cs/notrun.txt)
 #   bash tools/gpu_session.sh compare          # compare_allocators, one copy per GPU, in parallel
 #   bash tools/gpu_session.sh mixed            # mixed_pipeline (CuPy -> torch -> Numba), SCALE=0.5 default
 #   bash tools/gpu_session.sh batch [ALLOC] [MODELS]  # batch_size_bench (MODELS: default all five; split

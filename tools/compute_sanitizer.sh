@@ -83,9 +83,10 @@ rm -f "$LOG_DIR"/memcheck.*.log
 
 if [[ $# -eq 0 ]]; then set -- -m gpu tests/gpu -x -q; fi
 
+STOP=()  # a command the tool runs under: `timeout` where there is a budget (below)
 memcheck() {  # memcheck ARGS: python -m pytest ARGS under the tool, logs in LOG_DIR (one per tool process)
   # shellcheck disable=SC2086
-  "$CS" --tool memcheck --target-processes all --require-cuda-init no --launch-timeout 600 \
+  "${STOP[@]}" "$CS" --tool memcheck --target-processes all --require-cuda-init no --launch-timeout 600 \
     --show-backtrace device --print-limit 1000 --log-file "$LOG_DIR/memcheck.%p.log" ${COMPUTE_SANITIZER_FLAGS:-} \
     python -m pytest "$@"
 }
@@ -124,9 +125,15 @@ EOF
     echo "collecting the tests failed (pytest exit $crc) or selected none: nothing ran under the tool" >&2
     exit 2
   fi
-  limit=""; [[ "$BUDGET" -gt 0 ]] && limit=" (for at most $BUDGET s)"
+  limit=""
+  if [[ "$BUDGET" -gt 0 ]]; then
+    # Past the budget (counted from the start, collection included) timeout stops the group's whole
+    # process group, the tool and every process under it (TERM, then KILL 5 s later), and exits 124.
+    left=$(( BUDGET - ($(date +%s) - start) ))
+    STOP=(timeout --kill-after=5 "$(( left > 1 ? left : 1 ))")
+    limit=" (for at most $BUDGET s)"
+  fi
   echo "+ ${#ids[@]} tests in $SHARDS groups at once: $CS --tool memcheck ... python -m pytest -m gpu ... NODE_IDS$limit"
-  set -m  # each group in a process group of its own, so that a group past the budget stops whole
   pids=()
   for ((k = 0; k < SHARDS && k < ${#ids[@]}; k++)); do
     group=()
@@ -135,28 +142,11 @@ EOF
     memcheck -m gpu -v -rfEs -p no:cacheprovider "${group[@]}" > "$LOG_DIR/pytest.shard$k.log" 2>&1 &
     pids+=($!)
   done
-  set +m
-  stopped=" "
-  if [[ "$BUDGET" -gt 0 ]]; then
-    while (( $(date +%s) < start + BUDGET )); do
-      alive=0
-      for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-      [[ $alive -eq 0 ]] && break
-      sleep 1
-    done
-    for k in "${!pids[@]}"; do
-      kill -0 "${pids[k]}" 2>/dev/null && { stopped+="$k "; kill -TERM -- "-${pids[k]}" 2>/dev/null; }
-    done
-    if [[ "$stopped" != " " ]]; then
-      sleep 5
-      for k in $stopped; do kill -KILL -- "-${pids[k]}" 2>/dev/null; done
-    fi
-  fi
   rc=0
   for k in "${!pids[@]}"; do
     wait "${pids[k]}"
     r=$? how=""
-    [[ "$stopped" == *" $k "* ]] && r=124 how=", stopped at the budget"
+    [[ $r -eq 124 && ${#STOP[@]} -gt 0 ]] && how=", stopped at the budget"
     echo "--- group $k (pytest exit $r$how): $LOG_DIR/pytest.shard$k.log"
     cat "$LOG_DIR/pytest.shard$k.log"
     [[ -n "$(tail -c 1 "$LOG_DIR/pytest.shard$k.log")" ]] && echo  # a stopped group's last line is cut

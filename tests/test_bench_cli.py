@@ -228,13 +228,45 @@ def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
     assert result["identical"] and result["steps_compared"] == 453
     mib = lambda b: f"{b // MiB:,}"  # noqa: E731
     readme = " ".join((ROOT / "README.md").read_text().split())
-    at = readme.index("Reliability on the GPU, today's pool")
-    section = readme[at:at + 2500]
+    at = readme.index("Earlier the same day, the pool of 89f74cc")
+    section = readme[at:at + 2000]
     assert f"{len(g['loss_hex']):,} steps with gpumem, reserved {mib(g['reserved_minute1_peak'])} MiB" in section
     assert mib(g["reserved_last_window_peak"]) == mib(g["reserved_minute1_peak"])
     assert f"up to {mib(n['reserved_minute1_peak'])} MiB" in section
     assert f"({mib(n['reserved_last_window_peak'])} MiB in its last window)" in section
     assert f"over the {result['steps_compared']} steps both ran" in section
+
+
+def test_the_readmes_soak_and_suite_on_todays_pool_are_the_saved_runs():
+    """README, "Reliability on the GPU, today's pool": the 8-minute soak's steps, reserved and peak MiB,
+    peak reserved over peak allocated and the bitwise comparison come from the runs saved in
+    verify-2026-12-06c, and the suite's counts from the pytest logs saved beside them."""
+    saved = BENCH / "results" / "verify-2026-12-06c"
+    runs = {n: json.loads((saved / f"soak_{n}.json").read_text()) for n in ("gpumem", "native")}
+    g, n = runs["gpumem"], runs["native"]
+    assert g["device"].startswith("NVIDIA H100") and (g["allocator"], n["allocator"]) == ("gpumem", "native")
+    assert not g["crept"] and g["growth_after_minute1"] == 0 and round(g["seconds"] / 60) == 8
+    r = run([BENCH / "soak.py", "--compare", saved / "soak_gpumem.json", saved / "soak_native.json"], ROOT)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["identical"] and result["same_shapes"]
+    mib = lambda b: f"{b // MiB:,}"  # noqa: E731
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    at = readme.index("Reliability on the GPU, today's pool")
+    section = readme[at:readme.index("Earlier the same day, the pool of 89f74cc")]
+    assert f"{g['steps']:,} steps with gpumem, reserved {mib(g['reserved_minute1_peak'])} MiB at minute 1" in section
+    assert g["reserved_last_window_peak"] == g["reserved_minute1_peak"]
+    assert (f"peak reserved {mib(g['peak_reserved'])} MiB over peak allocated {mib(g['peak_allocated'])} MiB, "
+            f"**{g['peak_reserved'] / g['peak_allocated']:.4f}**") in section
+    assert (f"up to {mib(n['reserved_minute1_peak'])} MiB in its first minute "
+            f"({mib(n['reserved_last_window_peak'])} MiB in its last window)") in section
+    assert (f"peak reserved {mib(n['peak_reserved'])} MiB over {mib(n['peak_allocated'])} MiB, "
+            f"{n['peak_reserved'] / n['peak_allocated']:.4f}") in section
+    assert f"over the {result['steps_compared']} steps both ran" in section
+    for log, told in (("suite_part2_rest.log", "34 passed"), ("suite_part3.log", "25 passed, 3 skipped")):
+        last = (saved / log).read_text().strip().splitlines()[-1]
+        assert re.search(rf"= {told} in [0-9.]+s", last), (log, last)
+        assert f"{told}" in section
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

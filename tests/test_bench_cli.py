@@ -214,18 +214,25 @@ def test_host_cost_saved_run_gives_the_readmes_table():
         assert f"| {r['allocator']} | {cells} |" in table, (r["allocator"], cells)
 
 
-def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
-    """README, "Reliability on the GPU, today's pool": the soak's steps, reserved MiB and the bitwise
-    comparison come from the two runs saved beside the peer comparison (bench/soak.py --compare)."""
-    saved = BENCH / "results" / "slot-fallback-2026-12-06"
+def _saved_soak(saved):
+    """gpumem's and native's soak runs saved in `saved`, and `bench/soak.py --compare`'s verdict on them;
+    gpumem's run on an H100 with no creep, the losses bitwise identical."""
     runs = {n: json.loads((saved / f"soak_{n}.json").read_text()) for n in ("gpumem", "native")}
     g, n = runs["gpumem"], runs["native"]
-    assert g["device"].startswith("NVIDIA H100") and g["allocator"] == "gpumem" and n["allocator"] == "native"
+    assert g["device"].startswith("NVIDIA H100") and (g["allocator"], n["allocator"]) == ("gpumem", "native")
     assert not g["crept"] and g["growth_after_minute1"] == 0
     r = run([BENCH / "soak.py", "--compare", saved / "soak_gpumem.json", saved / "soak_native.json"], ROOT)
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["identical"] and result["steps_compared"] == 453
+    assert result["identical"] and result["same_shapes"]
+    return g, n, result
+
+
+def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
+    """README, "Earlier the same day, the pool of 89f74cc": the soak's steps, reserved MiB and the
+    bitwise comparison come from the two runs saved beside the peer comparison (bench/soak.py --compare)."""
+    g, n, result = _saved_soak(BENCH / "results" / "slot-fallback-2026-12-06")
+    assert result["steps_compared"] == 453
     mib = lambda b: f"{b // MiB:,}"  # noqa: E731
     readme = " ".join((ROOT / "README.md").read_text().split())
     at = readme.index("Earlier the same day, the pool of 89f74cc")
@@ -242,14 +249,8 @@ def test_the_readmes_soak_and_suite_on_todays_pool_are_the_saved_runs():
     peak reserved over peak allocated and the bitwise comparison come from the runs saved in
     verify-2026-12-06c, and the suite's counts from the pytest logs saved beside them."""
     saved = BENCH / "results" / "verify-2026-12-06c"
-    runs = {n: json.loads((saved / f"soak_{n}.json").read_text()) for n in ("gpumem", "native")}
-    g, n = runs["gpumem"], runs["native"]
-    assert g["device"].startswith("NVIDIA H100") and (g["allocator"], n["allocator"]) == ("gpumem", "native")
-    assert not g["crept"] and g["growth_after_minute1"] == 0 and round(g["seconds"] / 60) == 8
-    r = run([BENCH / "soak.py", "--compare", saved / "soak_gpumem.json", saved / "soak_native.json"], ROOT)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["identical"] and result["same_shapes"]
+    g, n, result = _saved_soak(saved)
+    assert round(g["seconds"] / 60) == 8 and result["steps_compared"] == n["steps"] == 917
     mib = lambda b: f"{b // MiB:,}"  # noqa: E731
     readme = " ".join((ROOT / "README.md").read_text().split())
     at = readme.index("Reliability on the GPU, today's pool")
@@ -266,7 +267,7 @@ def test_the_readmes_soak_and_suite_on_todays_pool_are_the_saved_runs():
     for log, told in (("suite_part2_rest.log", "34 passed"), ("suite_part3.log", "25 passed, 3 skipped")):
         last = (saved / log).read_text().strip().splitlines()[-1]
         assert re.search(rf"= {told} in [0-9.]+s", last), (log, last)
-        assert f"{told}" in section
+        assert told in section
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

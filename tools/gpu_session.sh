@@ -51,9 +51,9 @@ case "${1:-}" in
     ;;
   suite-part)
     # One H100 (2026-11-27, 50b5c23): part 1's files ran in 398 s (the RMM test skipped); part 2's
-    # with three of batch_size_tools' tests in 470 s. Part 3 not timed whole: on an H200 (d4368b5)
-    # batch_size 95 s, batch_size_tools with the notebooks (nbclient carried) 266 s; distributed,
-    # which runs on every GPU, 265 s on two H200s. Run parts one after the other, never two side by side
+    # with three of batch_size_tools' tests in 470 s. Part 3 on one H100 (2026-12-06, 02588bf): 376 s,
+    # 25 passed and 3 skipped (they need 2 GPUs; distributed, which runs on every GPU, took 265 s on
+    # two H200s); part 2 but torch_bridge 142 s. Run parts one after the other, never two side by side
     # on a 2-GPU machine: part 1 beside part 3's tool, notebook and cleanup files (2x H100, 2026-11-28)
     # got through 44 of 47 and 11 of 14 tests in 520 s, where each alone fits 400.
     case "${2:-}" in

@@ -109,6 +109,16 @@ def _readme_commands() -> dict:
     return found
 
 
+def test_the_readmes_contents_link_every_section_in_order():
+    """The Contents line under the README's introduction links each ``## `` section, in order, by the
+    anchor GitHub makes of its title (lower case; what is not a letter, digit, ``_``, ``-`` or space
+    dropped; spaces made ``-``), so a renamed or added section that the list misses fails here."""
+    titles = re.findall(r"^## (.+)$", README, re.M)
+    contents = " ".join(README[README.index("Contents: "):README.index("## Install and run")].split())
+    anchors = re.findall(r"\]\(#([^)]+)\)", contents)
+    assert anchors == [re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles]
+
+
 def test_every_command_and_option_in_the_readme_is_accepted(cwd):
     cmds = _readme_commands()
     assert set(cmds) == {"replay", "status", "run", "report"}, cmds

@@ -454,6 +454,11 @@ def driver_text(row, prefix):
 PAGE_BYTES = 2 << 20  # the driver's granularity for physical memory on the GPUs measured (H100, H200)
 
 
+def page_count(nbytes, page=PAGE_BYTES):
+    """Whole pages that hold `nbytes`."""
+    return -(-nbytes // page)
+
+
 def page_floor(peak_allocated, page=PAGE_BYTES):
     """The lowest cap (x P) that an allocator whose reserved memory is bounded by the cap and made of
     whole pages can reach: P rounded up to a page, every page filled. native, expandable_segments and
@@ -464,7 +469,7 @@ def page_floor(peak_allocated, page=PAGE_BYTES):
     page boundary. None without P."""
     if not peak_allocated:
         return None
-    return -(-peak_allocated // page) * page / peak_allocated
+    return page_count(peak_allocated, page) * page / peak_allocated
 
 
 # (width, header): each wider than its header, so that headers of several words stay apart.
@@ -504,7 +509,7 @@ def table(results: dict, bound: str = "fraction") -> str:
         floor = page_floor(res.get("peak_allocated"))
         if floor is not None:
             lines.append(f"{w}: P {res['peak_allocated'] / (1 << 20):,.1f} MiB; page floor {floor:.4f}x "
-                         f"({-(-res['peak_allocated'] // PAGE_BYTES):,} pages of 2 MiB, every page full)")
+                         f"({page_count(res['peak_allocated']):,} pages of 2 MiB, every page full)")
     lines.append("0-OOM cap: lowest cap (x native's uncapped peak allocated) with 0 OOM steps ('?': search "
                  "unfinished, '>x': none up to x); vs best: / the best PyTorch allocator's; ms free: step time "
                  "uncapped, first pass over the steps (each shape new: its one-time costs, no allocator's); "

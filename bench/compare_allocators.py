@@ -4,7 +4,7 @@
     python bench/compare_allocators.py [--rounds 2] [--only varlen resnet] [--workloads PATH]
 
 --workloads runs another workloads file of the same command line (WORKLOAD ALLOCATOR, one JSON line
-out), e.g. ../shared/bench/workloads.py, the one the README's earlier figures were measured with.
+out), e.g. ../shared/bench/workloads.py, the one docs/benchmarks.md's earlier figures were measured with.
 
 Prints a table (median over rounds) with gpumem's ratio to the best PyTorch allocator, then one JSON
 line. A second check runs the varlen workload with gpumem in-process and compares gpumem's reserved

@@ -36,7 +36,7 @@ pays, and the correlation, which says whether the driver's time is what the diff
 A gpumem name ending in @DIR runs the gpumem build installed in DIR (pip install --target DIR), so that
 two builds of the pool take turns in one run (gpumem,gpumem@/tmp/before). Two workers running the same
 code still differ: on allocfree, whose steps are host-bound, by 5.7% uncapped over 20 rounds (two builds
-whose difference acts only under a cap; one H100, 2026-12-06; README, "Release order"), so a ratio
+whose difference acts only under a cap; one H100, 2026-12-06; docs/benchmarks.md, "Release order"), so a ratio
 nearer 1 than that says nothing there; the same build twice (DIR where it is installed) measures it.
 
 --cap K also runs every allocator capped at K P (set_per_process_memory_fraction(K P / total)), P being
@@ -49,7 +49,7 @@ on the CPU with no allocator (every worker the same code; the path CI covers).
 
 Writes every round's figures and each worker's final JSON line (its peaks) with --json, the whole file
 again after every round: a run cut short leaves the rounds it finished (its group marked "cut"). --from-json
-prints the tables of such files again, several runs' rounds of a workload pooled (the README's figures
+prints the tables of such files again, several runs' rounds of a workload pooled (docs/benchmarks.md's figures
 over several calls: bench/results/).
 """
 from __future__ import annotations

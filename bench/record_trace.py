@@ -21,7 +21,7 @@ allocfree's requests depend on nothing but its seeded random numbers, so its tra
 them (pressure_workloads.allocfree_plan), on any machine, without torch: the same sizes (rounded to
 512 bytes, as PyTorch's allocator records them) and frees, in the order the workload makes them, and
 at the end the frees of the tensors the next pass's first step drops. ``--seed N`` writes the requests
-the workload would make with another seed (the bench's own are seed 0): the README's "Packed small
+the workload would make with another seed (the bench's own are seed 0): docs/benchmarks.md's "Packed small
 arenas" replays seven.
 """
 import argparse

@@ -10,9 +10,9 @@ simulated device runs N operations behind the replay (as a GPU runs behind the h
 the waits at 1.02x and 1.05x: the times the pool made the host wait because pages it had to give back
 were still in use (each a stall on a GPU), and in brackets the operations the device still had to run
 for them (the stalls' length). Several lags (``--device-lag 20,100,1000``) give a row per trace and lag:
-a layout whose remapping changes with the lag is one the GPU may not reproduce (README). ``--passes N``
-replays each trace N times in one pool and reports the last pass (mapped bytes, units, driver time,
-waits), as the steady steps of a run; the lowest capacity is always one pass's. ``--bound limit`` bounds
+a layout whose remapping changes with the lag is one the GPU may not reproduce (docs/benchmarks.md).
+``--passes N`` replays each trace N times in one pool and reports the last pass (mapped bytes, units, driver
+time, waits), as the steady steps of a run; the lowest capacity is always one pass's. ``--bound limit`` bounds
 the pool with a limit on a full-size device instead of the device's capacity: what a memory fraction
 does on the GPU (bench/pressure.py), where the pool knows the user set a bound and, when it leaves room
 above the settled live high water, remaps whole 8 MiB groups (pool_release.cpp, ``bound_is_roomy``).
@@ -99,8 +99,8 @@ def main(argv=None) -> int:
                     help="the device runs OPS operations behind the replay; adds the waits; several: a row "
                          "per trace and lag (default 0)")
     ap.add_argument("--no-stitch", dest="stitch", action="store_false",
-                    help="the pool's stitch option off (GPUMEM_CONF stitch:false), as in the README's "
-                         "figures of this bench measured before 2026-11-27")
+                    help="the pool's stitch option off (GPUMEM_CONF stitch:false), as in "
+                         "docs/benchmarks.md's figures of this bench measured before 2026-11-27")
     ap.add_argument("--ends-by-page", action="store_true",
                     help="the pool's ends_by_page option on (GPUMEM_CONF ends_by_page:true): under a bound "
                          "that is not roomy, a block's end pages mapped one by one")
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-park-lent", dest="park_lent", action="store_false",
                     help="the pool's park_lent option off (GPUMEM_CONF park_lent:false; on by default: "
                          "under a roomy bound, units lent while draining stay mapped where they were, "
-                         "taken back with no driver call), as in the README's figures of this bench "
+                         "taken back with no driver call), as in docs/benchmarks.md's figures of this bench "
                          "measured before 2026-11-28")
     ap.add_argument("--passes", type=int, default=1, metavar="N",
                     help="replay each trace N times in one pool, report the last pass (default 1)")

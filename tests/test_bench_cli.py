@@ -176,7 +176,7 @@ def test_vmm_unit_costs_saved_run_gives_the_readmes_table():
     rows = json.loads((BENCH / "results" / "vmm-unit-costs-2026-11-28" / "h100.json").read_text())["rows"]
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("**What a unit costs the driver**"):]
-    table = table[:table.index("A unit's cost does not depend")]
+    table = table[:re.search(r"A\s+unit's\s+cost\s+does\s+not\s+depend", table).start()]  # lines rewrap
     how = {"per unit": "one per unit", "whole run": "access and unmap once over the run",
            "whole run, busy": "as above, ~41 ms of work queued on the device"}
     def cells(r):  # a row's five costs as the table prints them
@@ -201,11 +201,11 @@ def test_vmm_unit_costs_saved_run_gives_the_readmes_table():
         assert f"{label} {cells(r)} |" in table, (name, how_, cells(r))
 
 
-def test_host_cost_saved_run_gives_the_readmes_table():
-    """The README's host-time table is the saved H100 run's medians, rounded to whole ns."""
+def test_host_cost_saved_run_gives_the_records_table():
+    """The host-time table of docs/benchmarks.md is the saved H100 run's medians, rounded to whole ns."""
     rows = json.loads((BENCH / "results" / "host-cost-2026-11-28" / "h100.json").read_text())["rows"]
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("**The host's time per tensor**"):]
+    record = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = record[record.index("**The host's time per tensor**"):]
     table = table[:table.index("native and expandable_segments run the same code")]
     assert [r["allocator"] for r in rows] == ["native", "expandable", "async", "gpumem"]
     for r in rows:
@@ -228,15 +228,15 @@ def _saved_soak(saved):
     return g, n, result
 
 
-def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
-    """README, "Earlier the same day, the pool of 89f74cc": the soak's steps, reserved MiB and the
+def test_the_records_soak_figures_at_89f74cc_are_the_saved_runs():
+    """docs/benchmarks.md, "Earlier the same day, the pool of 89f74cc": the soak's steps, reserved MiB and the
     bitwise comparison come from the two runs saved beside the peer comparison (bench/soak.py --compare)."""
     g, n, result = _saved_soak(BENCH / "results" / "slot-fallback-2026-12-06")
     assert result["steps_compared"] == 453
     mib = lambda b: f"{b // MiB:,}"  # noqa: E731
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    at = readme.index("Earlier the same day, the pool of 89f74cc")
-    section = readme[at:at + 2000]
+    record = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    at = record.index("Earlier the same day, the pool of 89f74cc")
+    section = record[at:at + 2000]
     assert f"{len(g['loss_hex']):,} steps with gpumem, reserved {mib(g['reserved_minute1_peak'])} MiB" in section
     assert mib(g["reserved_last_window_peak"]) == mib(g["reserved_minute1_peak"])
     assert f"up to {mib(n['reserved_minute1_peak'])} MiB" in section
@@ -244,17 +244,17 @@ def test_the_readmes_soak_figures_at_89f74cc_are_the_saved_runs():
     assert f"over the {result['steps_compared']} steps both ran" in section
 
 
-def test_the_readmes_soak_and_suite_on_todays_pool_are_the_saved_runs():
-    """README, "Reliability on the GPU, today's pool": the 8-minute soak's steps, reserved and peak MiB,
-    peak reserved over peak allocated and the bitwise comparison come from the runs saved in
+def test_the_records_soak_and_suite_on_todays_pool_are_the_saved_runs():
+    """docs/benchmarks.md, "Reliability on the GPU, today's pool": the 8-minute soak's steps, reserved and
+    peak MiB, peak reserved over peak allocated and the bitwise comparison come from the runs saved in
     verify-2026-12-06c, and the suite's counts from the pytest logs saved beside them."""
     saved = BENCH / "results" / "verify-2026-12-06c"
     g, n, result = _saved_soak(saved)
     assert round(g["seconds"] / 60) == 8 and result["steps_compared"] == n["steps"] == 917
     mib = lambda b: f"{b // MiB:,}"  # noqa: E731
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    at = readme.index("Reliability on the GPU, today's pool")
-    section = readme[at:readme.index("Earlier the same day, the pool of 89f74cc")]
+    record = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    at = record.index("Reliability on the GPU, today's pool")
+    section = record[at:record.index("Earlier the same day, the pool of 89f74cc")]
     assert f"{g['steps']:,} steps with gpumem, reserved {mib(g['reserved_minute1_peak'])} MiB at minute 1" in section
     assert g["reserved_last_window_peak"] == g["reserved_minute1_peak"]
     assert (f"peak reserved {mib(g['peak_reserved'])} MiB over peak allocated {mib(g['peak_allocated'])} MiB, "
@@ -571,8 +571,8 @@ def test_record_trace_writes_allocfree_from_its_seeded_requests_without_a_gpu(tm
 
 
 def test_record_trace_writes_allocfree_with_another_seed(tmp_path):
-    """--seed N: the requests allocfree makes with that seed (the README's "Packed small arenas" replays
-    seven), its header naming the seed; refused for the workloads recorded on the GPU."""
+    """--seed N: the requests allocfree makes with that seed (docs/benchmarks.md's "Packed small arenas"
+    replays seven), its header naming the seed; refused for the workloads recorded on the GPU."""
     sys.path.insert(0, str(BENCH))
     try:
         import record_trace

@@ -28,6 +28,7 @@ from gpumem.report import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+RECORD = (ROOT / "docs" / "benchmarks.md").read_text()  # the benchmark record, commands beside figures
 NO_GPU = "gpumem status: no GPU to show:"
 
 
@@ -100,9 +101,9 @@ def gpu_env(tmp_path):
 # What the README shows
 # ------------------------------------------------------------------------------------------------
 def _readme_commands() -> dict:
-    """Every ``python -m gpumem SUB ...`` the README shows (code blocks and inline), by subcommand,
-    with the options each names."""
-    text = README.replace("\\\n", " ")
+    """Every ``python -m gpumem SUB ...`` the README and the benchmark record it links show (code blocks
+    and inline), by subcommand, with the options each names."""
+    text = (README + "\n" + RECORD).replace("\\\n", " ")
     found: dict = {}
     for m in re.finditer(r"python -m gpumem (\w+)((?:[^\n`]|\n(?=\s{8,}\[))*)", text):
         found.setdefault(m.group(1), set()).update(re.findall(r"--[a-z][a-z-]*", m.group(2)))
@@ -117,6 +118,31 @@ def test_the_readmes_contents_link_every_section_in_order():
     contents = " ".join(README[README.index("Contents: "):README.index("## Install and run")].split())
     anchors = re.findall(r"\]\(#([^)]+)\)", contents)
     assert anchors == [re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles]
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """Each ``[text](path)`` link in README.md and docs/*.md that is not a web address names a file or
+    folder of the repository (relative to the page), and each ``#anchor`` into a page names one of its
+    headings, so moving a section or a file (the benchmark record, docs/benchmarks.md) cannot leave a
+    link dangling."""
+    def anchors(page: Path) -> set:
+        return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-")
+                for t in re.findall(r"^#+ (.+)$", page.read_text(), re.M)}
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    checked = 0
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.name}: link to {target}: no such file"
+            if anchor and dest.suffix == ".md":
+                assert anchor in anchors(dest), f"{page.name}: link to {target}: no such heading"
+            checked += 1
+    assert checked > 40, checked  # the pages link each other: a parser that finds none is broken
 
 
 def test_every_command_and_option_in_the_readme_is_accepted(cwd):

@@ -167,8 +167,9 @@ def test_saved_runs_are_merged_round_by_round_and_bad_files_refused(tmp_path):
     assert r.returncode == 2 and "--reference expandable is not among --allocators" in r.stderr
 
 
-def test_the_readmes_pooled_figures_come_from_the_saved_runs():
-    """README, "More rounds" and "stitch_slack": the GPU runs' files give the figures it quotes."""
+def test_the_records_pooled_figures_come_from_the_saved_runs():
+    """docs/benchmarks.md, "More rounds" and "stitch_slack": the GPU runs' files give the figures it
+    quotes."""
     saved = Path(__file__).resolve().parents[1] / "bench" / "results" / "lockstep-2026-11-27"
     r = run("--from-json", *(str(saved / f"ckpt_call{i}.json.gz") for i in (2, 3, 4)), "--reference", "expandable")
     assert r.returncode == 0, r.stderr
@@ -182,8 +183,8 @@ def test_the_readmes_pooled_figures_come_from_the_saved_runs():
 
 
 def test_the_early_ends_by_page_figures_come_from_the_saved_runs():
-    """README, "early_ends_by_page": ckpt at 1.05x over expandable_segments (1.035 with the default, 1.047
-    with the rule off) and bert (0.798, 0.847), from the saved runs of that GPU call."""
+    """docs/benchmarks.md, "early_ends_by_page": ckpt at 1.05x over expandable_segments (1.035 with the
+    default, 1.047 with the rule off) and bert (0.798, 0.847), from the saved runs of that GPU call."""
     saved = Path(__file__).resolve().parents[1] / "bench" / "results" / "early-ends-2026-11-27"
     r = run("--from-json", str(saved / "ckpt_call5.json.gz"), "--reference", "expandable")
     assert r.returncode == 0, r.stderr
@@ -201,8 +202,8 @@ def test_the_early_ends_by_page_figures_come_from_the_saved_runs():
 
 
 def test_the_driver_fit_of_the_saved_ckpt_runs():
-    """At 1.05x the step over expandable_segments' follows gpumem's driver time (the README's fit);
-    uncapped it does not."""
+    """At 1.05x the step over expandable_segments' follows gpumem's driver time (the fit in
+    docs/benchmarks.md); uncapped it does not."""
     saved = BENCH / "results"
     r = run("--from-json", str(saved / "early-ends-2026-11-27" / "ckpt_call5.json.gz"), "--reference", "expandable")
     assert r.returncode == 0, r.stderr
@@ -214,11 +215,11 @@ def test_the_driver_fit_of_the_saved_ckpt_runs():
     assert "  gpumem: step - expandable's = +1.60 ms + 0.46 x (driver + wait ms a step), r 0.26, 13 rounds" in uncapped
     r = run("--from-json", str(saved / "lockstep-2026-11-27" / "ckpt_call2.json.gz"), "--reference", "expandable")
     assert "  gpumem: step - expandable's = -1.86 ms + 0.70 x (driver + wait ms a step), r 0.61, 17 rounds" in r.stdout
-    readme = (BENCH.parent / "README.md").read_text()
-    readme = readme[readme.index("**What ckpt's difference follows**"):][:2000]
+    record = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    record = record[record.index("**What ckpt's difference follows**"):][:2000]
     for quoted in ("| **-2.56 ms + 0.55 x, r 0.61** (14) |", "| **-5.03 ms + 0.78 x, r 0.91** (14) |",
                    "| +1.60 ms + 0.46 x, r 0.26 (13 rounds) |", "| -1.86 ms + 0.70 x, r 0.61 (17) |"):
-        assert quoted in readme, quoted
+        assert quoted in record, quoted
 
 
 def test_the_driver_fit_is_the_least_squares_line_of_the_rounds():
@@ -299,8 +300,8 @@ def test_bad_arguments_are_refused(args, message):
 
 
 def test_the_park_lent_figures_come_from_the_saved_runs():
-    """README, "park_lent": at 1.05x over expandable_segments ckpt 0.9944 off / 0.9701 on, bert 0.8593 /
-    0.7945, from the saved runs of that GPU call, and the README quotes them."""
+    """docs/benchmarks.md, "park_lent": at 1.05x over expandable_segments ckpt 0.9944 off / 0.9701 on, bert
+    0.8593 / 0.7945, from the saved runs of that GPU call, and the record (docs/benchmarks.md) quotes them."""
     saved = BENCH / "results" / "park-lent-2026-11-28"
     quoted = {}
     for workload in ("ckpt", "bert"):
@@ -310,16 +311,16 @@ def test_the_park_lent_figures_come_from_the_saved_runs():
         rows = {line.split()[0]: line.split() for line in capped if line.startswith("gpumem")}
         quoted[workload] = (rows["gpumem"][3], rows["gpumem+park_lent:true"][3])
     assert quoted == {"ckpt": ("0.9944", "0.9701"), "bert": ("0.8593", "0.7945")}
-    readme = (BENCH.parent / "README.md").read_text()
-    section = readme[readme.index("**park_lent: what a step at 1.05x remaps"):][:6000]
+    record = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    section = record[record.index("**park_lent: what a step at 1.05x remaps"):][:6000]
     for workload, (off, on) in quoted.items():
         assert f"| {off} (" in section and f"/ **{on}** (" in section, workload
 
 
 def test_the_packed_small_figures_come_from_the_saved_runs():
-    """README, "Packed small arenas": allocfree in lockstep on one H100, gpumem over the reference
+    """docs/benchmarks.md, "Packed small arenas": allocfree in lockstep on one H100, gpumem over the reference
     0.9456 uncapped and 0.8914 at 1.05x, and the pressure search's lowest fractions, from the saved
-    runs, quoted by the README."""
+    runs, quoted by docs/benchmarks.md."""
     saved = BENCH / "results" / "packed-small-2026-12-06"
     r = run("--from-json", str(saved / "allocfree_lockstep.json.gz"))
     assert r.returncode == 0, r.stderr
@@ -329,8 +330,8 @@ def test_the_packed_small_figures_come_from_the_saved_runs():
     with gzip.open(saved / "allocfree_pressure.json.gz", "rt") as f:
         rows = json.load(f)["results"]["allocfree"]["rows"]
     lowest = {row["allocator"]: row["lowest_cap"] for row in rows}
-    readme = (BENCH.parent / "README.md").read_text()
-    section = readme[readme.index("**Packed small arenas**"):][:9000]
+    record = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    section = record[record.index("**Packed small arenas**"):][:9000]
     for figure in ratio.values():
         assert f"**{figure}**" in section
     for allocator, cap in lowest.items():
@@ -338,10 +339,10 @@ def test_the_packed_small_figures_come_from_the_saved_runs():
 
 
 def test_the_release_order_figures_come_from_the_saved_runs():
-    """README, "Release order": allocfree's device allocations a steady step at 1.01x / 1.02x / 1.03x,
-    packed pool against large arenas first, the two builds in lockstep (0.8174 at 1.02x, 1.0573
-    uncapped where they run the same code), and ckpt uncapped in lockstep (1.0053 over native, 1.0067
-    over expandable_segments), from the saved runs, quoted by the README."""
+    """docs/benchmarks.md, "Release order": allocfree's device allocations a steady step at 1.01x / 1.02x /
+    1.03x, packed pool against large arenas first, the two builds in lockstep (0.8174 at 1.02x, 1.0573
+    uncapped where they run the same code), and ckpt uncapped in lockstep (1.0053 over native, 1.0067 over
+    expandable_segments), from the saved runs, quoted by docs/benchmarks.md."""
     saved = BENCH / "results" / "release-order-2026-12-06"
     allocs = {}
     for line in (saved / "allocfree_ab.log").read_text().splitlines():
@@ -349,8 +350,8 @@ def test_the_release_order_figures_come_from_the_saved_runs():
             factor, _, variant, figures = line.split(" ", 3)
             allocs.setdefault((factor[2:], variant), set()).add(json.loads(figures)["steady_device_allocs"])
     assert all(len(runs) == 1 for runs in allocs.values())  # the same in both runs of each
-    readme = (BENCH.parent / "README.md").read_text()
-    section = " ".join(readme[readme.index("**Release order**"):][:9000].split())  # lines joined
+    record = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    section = " ".join(record[record.index("**Release order**"):][:9000].split())  # lines joined
     for factor in ("1.01", "1.02", "1.03"):
         (old,), (new,) = allocs[(factor, "packed(old)")], allocs[(factor, "large-first")]
         assert new < old / 4
@@ -368,7 +369,7 @@ def test_the_release_order_figures_come_from_the_saved_runs():
             *(str(earlier / f"ckpt_call{i}.json.gz") for i in (2, 3, 4)), "--reference", "expandable")
     assert "ckpt uncapped (4 runs merged): 86 rounds compared" in r.stdout
     assert any(line.split()[:4] == ["gpumem", "107.13", "0", "1.0157"] for line in r.stdout.splitlines())
-    assert "86 rounds: 1.0157" in section and "the four runs pooled 1.0157 over expandable, 86" in readme
+    assert "86 rounds: 1.0157" in section and "the four runs pooled 1.0157 over expandable, 86" in record
     r = run("--from-json", str(saved / "allocfree_ab_lockstep.json.gz"), "--reference", "gpumem@/tmp/before")
     assert r.returncode == 0, r.stderr
     uncapped, capped = r.stdout.split("allocfree at 1.02x")
@@ -391,8 +392,8 @@ def test_a_json_path_ending_in_gz_is_written_gzipped_and_read_back(tmp_path):
 
 
 def test_the_gc_default_stops_ckpt_figures_come_from_the_saved_runs():
-    """README, "Step times in lockstep": ckpt uncapped on one H200 at 6af2891 (1.0057 over native, 19
-    rounds) and pooled with the H100 run of fa9604a (the same pool: 1.0055, 36 rounds)."""
+    """docs/benchmarks.md, "Step times in lockstep": ckpt uncapped on one H200 at 6af2891 (1.0057 over native,
+    19 rounds) and pooled with the H100 run of fa9604a (the same pool: 1.0055, 36 rounds)."""
     h200 = BENCH / "results" / "gc-default-2026-12-06" / "ckpt_uncapped_lockstep_h200.json.gz"
     h100 = BENCH / "results" / "release-order-2026-12-06" / "ckpt_uncapped_lockstep.json.gz"
     r = run("--from-json", str(h200))
@@ -403,36 +404,37 @@ def test_the_gc_default_stops_ckpt_figures_come_from_the_saved_runs():
     assert r.returncode == 0, r.stderr
     assert "ckpt uncapped (2 runs merged): 36 rounds compared" in r.stdout
     assert ratio_of(r.stdout, "gpumem") == "1.0055"
-    readme = " ".join((BENCH.parent / "README.md").read_text().split())
-    assert "H200, 6af2891, 19 rounds: **1.0057**" in readme and "36 rounds: **1.0055**" in readme
+    record = " ".join((BENCH.parent / "docs" / "benchmarks.md").read_text().split())
+    assert "H200, 6af2891, 19 rounds: **1.0057**" in record and "36 rounds: **1.0055**" in record
 
 
-def saved_peer_comparison(folder, name, readme_marker):
-    """A peer-kit comparison saved under bench/results/FOLDER: its text, its PEER SUMMARY line and its
-    REAL REGRESSIONS section, after checking that the README quotes that line, word for word, in the
-    paragraph that starts with `readme_marker`."""
+def saved_peer_comparison(folder, name, record_marker):
+    """A peer-kit comparison saved under bench/results/FOLDER: its text, its PEER SUMMARY line and its REAL
+    REGRESSIONS section, after checking that the record (docs/benchmarks.md) quotes that line, word for word,
+    in the paragraph that starts with `record_marker`."""
     saved = (BENCH / "results" / folder / name).read_text()
     line = next(x for x in saved.splitlines() if x.startswith("PEER SUMMARY:"))
     real = saved.split("== REAL REGRESSIONS")[1].split("\n==")[0]
-    readme = (BENCH.parent / "README.md").read_text()
-    at = readme.index(readme_marker)
-    assert f"```\n{line}\n```" in readme[at:at + 1500]
+    record = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    at = record.index(record_marker)
+    assert f"```\n{line}\n```" in record[at:at + 1500]
     return saved, line, real
 
 
-def test_the_readmes_peer_line_at_6af2891_is_the_saved_comparisons():
-    """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 6af2891 is the last line
-    of the comparison saved from that run, and its one real regression is the one the README names."""
+def test_the_records_peer_line_at_6af2891_is_the_saved_comparisons():
+    """docs/benchmarks.md, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 6af2891 is the
+    last line of the comparison saved from that run, and its one real regression is the one the record
+    names."""
     _, line, real = saved_peer_comparison("gc-default-2026-12-06", "peer_compare_h200.txt",
                                           "At 6af2891 (`gc_on_oom` off by default")
     assert "REGRESSIONS 11 (real 1, native-internal 10)" in line
     assert "test_allocated_in_middle_of_segment" in real and "limited_memory" not in real
 
 
-def test_the_readmes_peer_line_at_89f74cc_is_the_saved_comparisons():
-    """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 89f74cc (one H100) is the
-    last line of the comparison saved from that run: one real regression, the one the README names, and
-    no test that fails with PyTorch's allocator and passes with gpumem."""
+def test_the_records_peer_line_at_89f74cc_is_the_saved_comparisons():
+    """docs/benchmarks.md, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for 89f74cc (one
+    H100) is the last line of the comparison saved from that run: one real regression, the one the record
+    names, and no test that fails with PyTorch's allocator and passes with gpumem."""
     saved, line, real = saved_peer_comparison("slot-fallback-2026-12-06", "peer_compare_h100.txt",
                                               "At 89f74cc (the pool fixes of the fuzz runs")
     assert "device=NVIDIA H100" in saved and "allocator_backend=gpumem" in saved
@@ -440,10 +442,10 @@ def test_the_readmes_peer_line_at_89f74cc_is_the_saved_comparisons():
     assert "test_allocated_in_middle_of_segment" in real
 
 
-def test_the_readmes_peer_line_at_fa1e1ec_and_its_cascade_are_the_saved_runs():
-    """README, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for fa1e1ec (one H100) is the
-    saved comparison's, and the saved pair run shows the one real regression passing alone and failing
-    only after the native-internal test before it, at the counts the README gives."""
+def test_the_records_peer_line_at_fa1e1ec_and_its_cascade_are_the_saved_runs():
+    """docs/benchmarks.md, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for fa1e1ec (one
+    H100) is the saved comparison's, and the saved pair run shows the one real regression passing alone and
+    failing only after the native-internal test before it, at the counts the record gives."""
     saved, line, real = saved_peer_comparison("verify-2026-12-06b", "peer_compare_h100.txt",
                                               "At fa1e1ec (the release walk of 08f4b9b")
     assert "device=NVIDIA H100" in saved and "allocator_backend=gpumem" in saved

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "cpu_tour.ipynb"
 
 # Deterministic on the simulated device: the same figures on every machine (the replay's ns/pair is
-# not printed for that reason). README "Measurements" shows the replay figures too.
+# not printed for that reason). The README's trace replay section shows the replay figures too.
 EXPECTED = [
     "four blocks            allocated   803.0 MiB | reserved   810.0 MiB | device used   810.0 MiB",
     "validate(): ok",

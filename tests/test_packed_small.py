@@ -2,7 +2,7 @@
 a block of exactly a slot (1 MiB, half a device page) starts on a slot boundary, and a smaller block
 goes where it opens the fewest pages, then slots, that nothing used before it. The tight case's
 reserved bytes are the pages that live blocks pin; these tests check the layouts that packing makes,
-its invariants under random work, and the README's figures for allocfree's requests."""
+its invariants under random work, and the figures docs/benchmarks.md quotes for allocfree's requests."""
 import random
 import re
 
@@ -139,17 +139,17 @@ def test_randomized_small_blocks_keep_every_invariant_and_start_slots_on_their_b
 
 # allocfree's requests (bench/pressure_workloads.py: 256 B to 64 MiB, at most 32 alive) on seven seeds,
 # written as traces by bench/record_trace.py: the lowest limit (x the peak live bytes) at which the CPU
-# replay runs with 0 OOMs, bisected to 0.05%. The README's "Packed small arenas" table shows them with the
-# figures of the pool before packing.
+# replay runs with 0 OOMs, bisected to 0.05%. docs/benchmarks.md's "Packed small arenas" table shows them
+# with the figures of the pool before packing.
 ALLOCFREE_LOWEST_LIMIT = {0: 1.0032, 1: 1.0030, 2: 1.0027, 3: 1.0021, 4: 1.0010, 5: 1.0032, 6: 1.0032}
 
 
 @pytest.mark.parametrize("seed", sorted(ALLOCFREE_LOWEST_LIMIT))
-def test_allocfree_lowest_limits_are_the_readmes(tmp_path, seed):
+def test_allocfree_lowest_limits_are_the_records(tmp_path, seed):
     found = min_capacity(allocfree_trace(tmp_path, seed), tolerance=0.0005, bound="limit")
     assert not found.non_monotone
     assert round(found.ratio, 4) == ALLOCFREE_LOWEST_LIMIT[seed]
-    readme = (ROOT / "README.md").read_text()
-    row = re.search(r"^\| allocfree, seed " + str(seed) + r" \|(.*)$", readme, re.M)
-    assert row, f"README: no row for allocfree seed {seed} in 'Packed small arenas'"
+    record = (ROOT / "docs" / "benchmarks.md").read_text()
+    row = re.search(r"^\| allocfree, seed " + str(seed) + r" \|(.*)$", record, re.M)
+    assert row, f"docs/benchmarks.md: no row for allocfree seed {seed} in 'Packed small arenas'"
     assert f"**{ALLOCFREE_LOWEST_LIMIT[seed]:.4f}**" in row.group(1)

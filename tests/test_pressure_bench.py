@@ -652,19 +652,19 @@ def test_the_table_names_each_workloads_page_floor():
     assert "page floor" not in pressure.table({"moe": dict(rows=table_rows())}).splitlines()[-2]
 
 
-def test_the_readmes_page_floor_of_allocfree_is_the_saved_runs():
-    """README, the packed small arenas' GPU figures: allocfree's page floor and the pages that
+def test_the_records_page_floor_of_allocfree_is_the_saved_runs():
+    """docs/benchmarks.md, the packed small arenas' GPU figures: allocfree's page floor and the pages that
     cudaMallocAsync's and gpumem's caps come to are those of the saved search."""
     import gzip
     saved = json.load(gzip.open(BENCH / "results" / "packed-small-2026-12-06" / "allocfree_pressure.json.gz"))
     res = saved["results"]["allocfree"]
     P, rows = res["peak_allocated"], {r["allocator"]: r for r in res["rows"]}
     pages = lambda cap: cap * P / (2 << 20)  # noqa: E731
-    readme = " ".join((BENCH.parent / "README.md").read_text().split())
+    record = " ".join((BENCH.parent / "docs" / "benchmarks.md").read_text().split())
     assert (f"P is {P / (1 << 20):.1f} MiB, which takes at least {-(-P // (2 << 20))} pages of 2 MiB, the "
-            f"**page floor** of {pressure.page_floor(P):.4f}x") in readme
-    assert f"cudaMallocAsync's passing {rows['async']['lowest_cap']} is {pages(rows['async']['lowest_cap']):.1f} pages'" in readme
+            f"**page floor** of {pressure.page_floor(P):.4f}x") in record
+    assert f"cudaMallocAsync's passing {rows['async']['lowest_cap']} is {pages(rows['async']['lowest_cap']):.1f} pages'" in record
     g = rows["gpumem"]
     assert (f"gpumem passes at {g['lowest_cap']} ({pages(g['lowest_cap']):.1f} pages) and fails at "
-            f"{g['highest_failing']} ({pages(g['highest_failing']):.1f})") in readme
+            f"{g['highest_failing']} ({pages(g['highest_failing']):.1f})") in record
     assert int(pages(g["lowest_cap"])) == -(-P // (2 << 20)) + 1 > pages(g["highest_failing"])

@@ -1,7 +1,7 @@
 """Under a cap or a limit the pool makes room by releasing cached pages, the large arenas' before the
 small ones' (pool_release.cpp, release_cached_units), whatever order the arenas were made in: a small
 arena's free pages are what small requests soon need again, and a large block cannot be lent them
-(another region), so it would wait for them to drain. These tests check the order and the README's
+(another region), so it would wait for them to drain. These tests check the order and docs/benchmarks.md's
 figures for allocfree's requests at tight limits."""
 import re
 
@@ -63,18 +63,19 @@ def test_small_pages_go_back_once_the_large_arenas_have_none():
 
 # allocfree's seven seeds (tests/pool_model.py, allocfree_trace), three passes each in one pool at a
 # limit of F x the peak live bytes, the device 100 operations behind: units created + released, waits
-# and OOMs summed over the seeds (the last pass's). The README's "Release order" paragraph quotes them.
+# and OOMs summed over the seeds (the last pass's). docs/benchmarks.md's "Release order" paragraph quotes
+# them.
 RELEASE_ORDER_AT_LIMIT = {1.01: (372, 27, 0), 1.02: (837, 34, 0), 1.03: (25, 4, 0)}
 
 
-def test_allocfree_at_tight_limits_is_the_readmes(tmp_path):
+def test_allocfree_at_tight_limits_are_the_records(tmp_path):
     traces = [allocfree_trace(tmp_path, seed) for seed in range(7)]
     peaks = [replay(t).peak_live_bytes for t in traces]
-    readme = (ROOT / "README.md").read_text()
+    record = (ROOT / "docs" / "benchmarks.md").read_text()
     for factor, expected in RELEASE_ORDER_AT_LIMIT.items():
         runs = [replay(t, passes=3, limit=int(factor * p), device_lag=100) for t, p in zip(traces, peaks)]
         found = (sum(r.physical_units for r in runs), sum(r.waits for r in runs), sum(r.ooms for r in runs))
         assert found == expected, f"at {factor}x"
         units, waits, ooms = expected
-        assert re.search(rf"at {factor:.2f}x [^|]*\*\*{units:,} / {waits} / {ooms}\*\*", readme), \
-            f"README: 'Release order' does not quote {expected} at {factor:.2f}x"
+        assert re.search(rf"at {factor:.2f}x [^|]*\*\*{units:,} / {waits} / {ooms}\*\*", record), \
+            f"docs/benchmarks.md: 'Release order' does not quote {expected} at {factor:.2f}x"

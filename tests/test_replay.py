@@ -358,8 +358,8 @@ def test_cli_passes_reports_the_last_pass_and_refuses_fewer_than_one(tmp_path):
 
 
 def test_cli_stitch_slack_changes_the_bundled_replay_and_bad_values_are_refused():
-    """More slack stitches less: gpt_varlen's peak reserved rises (README, "stitch_slack": 1.0098 at
-    the default 0.01, 1.0197 at 0.02)."""
+    """More slack stitches less: gpt_varlen's peak reserved rises (docs/benchmarks.md, "stitch_slack": 1.0098
+    at the default 0.01, 1.0197 at 0.02)."""
     default, roomier = (json.loads(run_cli("replay", "--json", *extra).stdout.splitlines()[0])
                         for extra in ((), ("--stitch-slack", "0.02")))
     assert default["workload"] == roomier["workload"] == "gpt_varlen"

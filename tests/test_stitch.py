@@ -100,7 +100,7 @@ def test_after_trim_a_phase_below_the_old_peak_stitches_again():
 @pytest.mark.parametrize("bound", ["cap", "limit"])
 def test_a_pool_under_a_cap_or_a_limit_does_not_stitch(bound):
     """Under a bound the pool releases cached pages to fit anyway, and stitching fitted less there
-    (README, "Stitching under a bound"): the hole stays cached and the block gets new memory."""
+    (docs/benchmarks.md, "Stitching under a bound"): the hole stays cached and the block gets new memory."""
     device = _C.SimulatedDevice("vmm", 8 * GiB)
     pool = _C.Pool(device, stitch=True, cap=GiB if bound == "cap" else 0)
     if bound == "limit":
@@ -178,7 +178,7 @@ def test_the_stitch_slack_reaches_the_pool_and_bad_values_are_refused():
 def test_a_larger_stitch_slack_trades_reserved_bytes_for_driver_calls_in_steady_passes():
     """ckpt's steady passes (device 100 operations behind): 1% stitches positions whose units are then
     busy when a block lands there (hundreds of calls a pass); 1.5% leaves room enough that the steady
-    passes barely map (README, "stitch_slack"), for a higher peak reserved."""
+    passes barely map (docs/benchmarks.md, "stitch_slack"), for a higher peak reserved."""
     trace = ROOT / "bench" / "traces" / "ckpt.trace.gz"
     default = gpumem.replay(trace, device_lag=100, passes=4)
     roomier = gpumem.replay(trace, device_lag=100, passes=4, stitch_slack=0.015)

@@ -8,7 +8,7 @@
 #   bash tools/issue16_gpu.sh pressure1   # varlen, resnet, moe: native (P), gpumem, gpumem_hw
 #   bash tools/issue16_gpu.sh pressure2   # bert, ckpt, vit: the same
 # Before/after: run the same pressure command at the commit before this branch (its figures are the
-# "before"); the replay's CPU figures of both are in README (Benchmarks and results).
+# "before"); the replay's CPU figures of both are in docs/benchmarks.md.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"  # repository root, $OUT, the carried RMM wheels on the path
 pressure() {

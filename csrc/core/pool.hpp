@@ -116,8 +116,8 @@ struct PoolOptions {
   // free blocks rather than new memory; a block that later lands on such a position takes the unit
   // back without a driver call when its new owner is free. Reserved stays near the live bytes without
   // the releases of the high-water policy; it costs unit maps and unmaps in steady steps where a
-  // position's unit is busy elsewhere (README, "Stitching", "stitch_slack"). Only while no cap or
-  // limit is set (Pool::stitching).
+  // position's unit is busy elsewhere (README, "Stitching"; docs/benchmarks.md, "stitch_slack"). Only while
+  // no cap or limit is set (Pool::stitching).
   bool stitch = true;
   // Option stitch: new pages are new memory while reserved stays within this fraction above the live
   // high water, stitched past it. Higher: fewer stitched units (fewer driver calls and waits in steady
@@ -127,13 +127,13 @@ struct PoolOptions {
   // which it shares with its neighbours, are mapped page by page, the groups it covers whole as group
   // units, so that once a neighbour is freed its pages there can go back to the device one by one
   // instead of staying pinned in a group the block still holds (pool_map.cpp, ensure_mapped). Fewer
-  // bytes pinned near the cap; more driver units to map and unmap (README, "ends_by_page").
+  // bytes pinned near the cap; more driver units to map and unmap (docs/benchmarks.md, "ends_by_page").
   bool ends_by_page = false;
   // Paged upstreams, under a cap or a limit: while the live high water is below this fraction of the
   // bound, blocks map their end groups page by page as with ends_by_page (0: never). A run's first
   // blocks are mostly its weights and optimizer state, which live as long as the run: an end group
   // such a block maps whole stays pinned, its free pages with it, when the step's blocks around it
-  // come and go near the bound (pool_map.cpp, ensure_mapped; README, "early_ends_by_page").
+  // come and go near the bound (pool_map.cpp, ensure_mapped; docs/benchmarks.md, "early_ends_by_page").
   double early_ends_by_page = 0.1;
   // Paged upstreams, under a roomy cap or limit (bound_is_roomy): units lent to a block while they
   // drained (map_from_draining) stay mapped at their old position, parked, as stitching parks them
@@ -141,7 +141,7 @@ struct PoolOptions {
   // without a driver call while its owner is free. The remapping of a step whose blocks come back
   // where they were becomes no driver call at all (pool_alias.cpp, parks_lent_units). Graph pools and
   // MemPools never park (the bridge: unmapping a parked page may wait, which a capture forbids).
-  // Measured (README, "park_lent"): in lockstep at 1.05x on 2x H200, ckpt's step over
+  // Measured (docs/benchmarks.md, "park_lent"): in lockstep at 1.05x on 2x H200, ckpt's step over
   // expandable_segments' 0.994 -> 0.970 and bert's 0.859 -> 0.794, no steady driver call left; the
   // lowest 0-OOM limits of the CPU replays unchanged (a roomy bound is never within 2% of the peak).
   bool park_lent = true;
@@ -450,7 +450,7 @@ class Pool {
   std::size_t map_from_draining(Region* region, PageRun run, std::size_t unit);
   // pool_alias.cpp. Whether new pages are stitched and lent units parked now: option stitch, and no
   // cap or limit set. Under a bound the pool keeps reserved near the live bytes by releasing anyway,
-  // and the capped benches fit less with stitching (README, "Stitching under a bound"). Parked
+  // and the capped benches fit less with stitching (docs/benchmarks.md, "Stitching under a bound"). Parked
   // aliases made before a bound was set stay valid: they are only ever taken back or unmapped.
   bool stitching() const;
   // Whether units lent from draining blocks are parked at their old position (lend_aliases) rather

@@ -2,7 +2,7 @@
 // positions of a region, so that reserved stays near the live bytes without giving memory back and
 // mapping it again. Under the lazy policy a block that fits no free block goes to the region's free tail and
 // maps new pages there, while free pages elsewhere stay cached: with shapes that change step to
-// step, reserved settles 10-24% above live (README). With this option:
+// step, reserved settles 10-24% above live (docs/benchmarks.md). With this option:
 //  - Stitching (map_from_free): past the live high water (+ PoolOptions::stitch_slack), the new pages
 //    of a block are mapped onto mapped units of the region's free blocks (Upstream::map_from), the least
 //    recently freed first, instead of new memory; only while no cap or limit bounds the pool
@@ -26,9 +26,9 @@
 // block drains behind their marks too, start_draining), so the memory really goes back; the destructor unmaps
 // them too. Graph pools and MemPools never stitch (the bridge): unmapping a parked page may wait for
 // the device, which a stream capture forbids.
-// Measured (README, "Stitching"): the CPU replays and, on an H100, the pressure bench's eight workloads
-// uncapped at 1.006-1.014x their allocated bytes instead of up to 1.24x, steady steps level within the
-// runs' spread, and 4-48 unit maps/unmaps per steady step where a position's unit is busy.
+// Measured (docs/benchmarks.md, "Stitching on by default"): the CPU replays and, on an H100, the pressure
+// bench's eight workloads uncapped at 1.006-1.014x their allocated bytes instead of up to 1.24x, steady steps
+// level within the runs' spread, and 4-48 unit maps/unmaps per steady step where a position's unit is busy.
 // pool.hpp lists every file.
 #include <algorithm>
 #include <vector>
@@ -38,12 +38,12 @@
 namespace gpumem {
 
 // Why PoolOptions::stitch_slack (how far reserved may exceed the live high water before new pages are
-// stitched, map_from_free) is 1% by default. CPU replays (device 100 operations behind, README
+// stitched, map_from_free) is 1% by default. CPU replays (device 100 operations behind, docs/benchmarks.md
 // "Stitching"): 1% keeps every bundled and bench trace under 1.015x but fbs_gen (1.023x) with fewer
 // unmaps in steady passes than 0% (bert 758 calls and 36 waits a pass against 878 and 35; generate
 // 472 against 841). More slack stitches less: at 1.5% ckpt's steady passes make 8 calls instead of
 // 286-536, at 2% its GPU step is within 1% of expandable_segments' where 1% is not, but gpt_varlen
-// reaches 1.0150x and 1.0197x against the README's target of 1.01 (README, "stitch_slack").
+// reaches 1.0150x and 1.0197x against the target of 1.01 ("stitch_slack").
 
 namespace {
 // Moves the aliases of the unit owned at `from` to its new owner `to`.

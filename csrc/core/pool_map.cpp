@@ -44,10 +44,10 @@ static std::size_t pages_pinned(const PageMap& pages, const Block* b, std::size_
 
 // A page pinned beyond the best fit's counts as this many pages to map: a larger free block is taken
 // when the mapping it saves outweighs the pages it pins. Chosen on the traces of bench/traces and the
-// bundled ones (bench/remap_at_cap.py: CPU replay at 1.02x and the lowest 0-OOM capacity; README):
-// with 16, the bytes remapped at the cap fall as far as with no weight on BERT inference (-67%, -49%)
-// and by 8-24% on generation and checkpointed training, and the lowest 0-OOM capacity of BERT stays
-// under 1.01x (1.0092; 1.0129 with no weight, 1.0073 without this choice); generation's rises from
+// bundled ones (bench/remap_at_cap.py: CPU replay at 1.02x and the lowest 0-OOM capacity;
+// docs/benchmarks.md): with 16, the bytes remapped at the cap fall as far as with no weight on BERT inference
+// (-67%, -49%) and by 8-24% on generation and checkpointed training, and the lowest 0-OOM capacity of BERT
+// stays under 1.01x (1.0092; 1.0129 with no weight, 1.0073 without this choice); generation's rises from
 // 1.0079x to 1.0111x; the other traces do not change.
 constexpr std::size_t kPinnedPageWeight = 16;
 
@@ -151,8 +151,8 @@ static PackedPlacement packed_placement(const Block* b, std::size_t rounded, std
 // carved from the start of an empty slot leave no whole slot for the next one. Packed, the small
 // arena's pages hold its live bytes more closely: on allocfree's requests (bench/pressure_workloads.py,
 // 256 B to 64 MiB, at most 32 alive, seven seeds) the lowest 0-OOM limit of the CPU replay fell from
-// 1.0044x to 1.0026x on average (README, "Packed small arenas"; the training traces: equal or lower,
-// but fbs_gen with a device behind). Only where the best fit is a free block of a slot or more (or
+// 1.0044x to 1.0026x on average (docs/benchmarks.md, "Packed small arenas"; the training traces: equal or
+// lower, but fbs_gen with a device behind). Only where the best fit is a free block of a slot or more (or
 // for a slot-sized block) is anything scanned.
 Pool::Block* Pool::packed_fit(const Arena& arena, Block* best, std::size_t rounded) const {
   if (!may_open_empty(best, rounded, kSlotBytes)) return best;
@@ -194,7 +194,8 @@ Pool::Block* Pool::take_mapped_slot_off_boundary(Arena& arena, std::size_t round
 // goes (placement_in: its start, or the end of a hole when that needs fewer unmapped pages); returns
 // it, allocated and split to `rounded`. A block placed so that it straddles the fewest unmapped pages
 // maps less and leaves the mapped pages it did not take free where they are (measured: 20% fewer
-// upstream calls with release:high_water on gpt_varlen, README). Costs one comparison on the fast path.
+// upstream calls with release:high_water on gpt_varlen, docs/benchmarks.md). Costs one comparison on the fast
+// path.
 Pool::Block* Pool::place(Arena& arena, Block* block, std::size_t rounded) {
   const Region* region = block->region;
   if (packs(arena)) {
@@ -313,7 +314,7 @@ bool Pool::ensure_mapped(Block* block) {
   // CPU replay (bench/remap_at_cap.py --bound limit, device 20, 100 and 1000 operations behind) the
   // lowest 0-OOM limit of bench/traces/ddp_mlp fell from 1.0183x its peak live bytes to 1.0056x,
   // fbs_gen's from 1.0125x to 1.0075x, ckpt's from 1.0120x to 1.0102x; at 1.05x ckpt mapped and
-  // unmapped 1,429 units instead of 408 at lag 20 (README, "ends_by_page").
+  // unmapped 1,429 units instead of 408 at lag 20 (docs/benchmarks.md, "ends_by_page").
   // PoolOptions::early_ends_by_page does the same for every block while the live high water is below
   // that fraction of the bound: the run's first blocks (weights, optimizer state), which live as long
   // as the run. Most of the option's gain on the traces comes from those, little of its steady cost: on
@@ -321,7 +322,8 @@ bool Pool::ensure_mapped(Block* block) {
   // (1.0121x), fbs_gen's 1.0100x at lags 20 and 100 (1.0075x with the option, 1.0125x without); at
   // 1.05x, passes 8, 12 and 20 at lags 20-1000, ckpt maps 190 units a pass against 178 without it
   // and the option's 437. A smaller fraction gives none of the gain (5%: ckpt and bert as without), a
-  // larger one the option's cost back (30%: 251 units on ckpt; 70%: 437) (README, "early_ends_by_page").
+  // larger one the option's cost back (30%: 251 units on ckpt; 70%: 437) (docs/benchmarks.md,
+  // "early_ends_by_page").
   const PageRun covered = pages.covered(block->address, block->size);
   const bool ends_by_page =
       bounded_locked() && !bound_is_roomy() &&

@@ -54,7 +54,7 @@ bool Pool::make_room(std::size_t bytes, const Region* lend_to) {
 
 // "Near the cap" for the placement of physical memory (ensure_mapped): within 1% of the effective cap
 // a large arena maps single device pages rather than whole groups. Measured on the bundled traces'
-// lowest 0-OOM capacity (README): without the margin resnet50 needs 1.0028x its peak live bytes,
+// lowest 0-OOM capacity (docs/benchmarks.md): without the margin resnet50 needs 1.0028x its peak live bytes,
 // with 1% (or 2-10%) 1.0019x; at 0.2-0.5% nothing changes. Far from the cap nothing changes at all.
 constexpr double kNearCap = 0.01;
 
@@ -63,7 +63,8 @@ constexpr double kNearCap = 0.01;
 // closest to the cap that cost capacity: the lowest 0-OOM limit of the ckpt trace (CPU replay, device
 // 100 operations behind) rose from 1.0109x its peak live bytes to 1.0156x, on the GPU (pressure bench)
 // from 1.0100x to 1.0144x. Waiting instead once live + block pass 98% of the cap gives 1.0109x there
-// again (GPU: 1.0089x), and keeps every wait lending saves at a 1.05x cap in the CPU replay (README).
+// again (GPU: 1.0089x), and keeps every wait lending saves at a 1.05x cap in the CPU replay
+// (docs/benchmarks.md).
 constexpr double kLendHeadroom = 0.02;
 
 bool Pool::lends_near_cap(std::size_t block_bytes) const {
@@ -78,7 +79,7 @@ bool Pool::lends_near_cap(std::size_t block_bytes) const {
 // decides whether the workload fits, and a large arena that remaps at the bound maps whole 8 MiB
 // groups instead of single 2 MiB pages: a quarter of the driver's units, and a layout that settles.
 // CPU replay of the bench traces under a limit of 1.05x their peak live bytes, last of three passes,
-// device 20 / 100 / 1000 operations behind (bench/remap_at_cap.py --bound limit, README): ckpt
+// device 20 / 100 / 1000 operations behind (bench/remap_at_cap.py --bound limit, docs/benchmarks.md): ckpt
 // 2,312-2,666 units and 12-17 waits a pass -> 0-408 units and no wait, bert 1,004-1,312 units and
 // 13-15 waits -> 0-90 and none; at 1.02x (below the 2%) and the lowest 0-OOM limits nothing changes.
 // On one H100 at 1.05x the steady step (no wait left) went from 116-123 to 107-113 ms on ckpt and
@@ -128,7 +129,7 @@ void Pool::learn_device_room() {
 // up to 2 GiB within a step, and each swing down made the pool give back cached pages it then mapped
 // again: ckpt at 1.05x of the device took 112-121 ms a step against 104-113 without asking
 // (2026-11-26, two runs each, bench/pressure_workloads.py --bound device); growing only, with the
-// margin, 104-107 (README: "When the memory outside goes"). The margin keeps a grown room off the
+// margin, 104-107 (docs/benchmarks.md: "When the memory outside goes"). The margin keeps a grown room off the
 // device's very end, where a refusal costs a wait or a retry; its size (four 8 MiB groups) was not
 // measured apart.
 constexpr std::size_t kDeviceRoomMargin = 32 * MiB;

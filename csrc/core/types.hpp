@@ -32,7 +32,7 @@ constexpr std::size_t kMidLimit = 10 * MiB;
 constexpr std::size_t kMidSegment = 20 * MiB;
 // Mapping granularity of the CUDA virtual-memory upstream (and of replay's simulated device): one
 // physical allocation per page. Larger pages mean fewer driver calls when memory grows, smaller ones
-// return memory more finely; see the README's benchmark for how it was chosen.
+// return memory more finely; docs/benchmarks.md has the measurements it was chosen by.
 constexpr std::size_t kDefaultPageSize = 8 * MiB;
 // Largest request accepted at all; anything above is a caller bug, not an allocation.
 constexpr std::size_t kMaxRequest = std::size_t(1) << 48;

@@ -31,12 +31,12 @@ Keys (comma separated, ``key:value`` or ``key=value``):
                while the live high water is below this share of it (a run's first blocks: weights and
                optimizer state, which live as long as the run) map their end pages as ``ends_by_page``
                does; 0 never. Fits tighter caps without ``ends_by_page``'s steady cost in driver calls
-               at 1.05x; more calls in the first pass (README, Benchmarks, "early_ends_by_page")
+               at 1.05x; more calls in the first pass (docs/benchmarks.md, "early_ends_by_page")
 ``park_lent``  vmm: ``true`` (default) or ``false``: under a cap or a memory fraction that is roomy (2%
                above the settled live high water), memory moved from freed pages to a new block stays
                mapped at its old place too, so a later block there takes it back with no driver call
                while it is free again, as ``stitch`` does without a bound: fewer remaps a step at
-               1.05x (README, Benchmarks, "park_lent")
+               1.05x (docs/benchmarks.md, "park_lent")
 
 Example: ``GPUMEM_CONF="cap:0.8,release:high_water" python train.py``
 """

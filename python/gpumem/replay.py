@@ -68,8 +68,8 @@ class ReplayReport:
 
 
 #: Microseconds the CUDA driver takes per physical unit, whatever its size (2, 8 or 20 MiB alike),
-#: measured with ctypes on libcuda on an H100 (README, "At the cap"): cuMemCreate 9-11, cuMemMap 2 plus
-#: cuMemSetAccess 22, cuMemUnmap 17, cuMemRelease 10-17.
+#: measured with ctypes on libcuda on an H100 (docs/benchmarks.md, "At the cap"): cuMemCreate 9-11, cuMemMap 2
+#: plus cuMemSetAccess 22, cuMemUnmap 17, cuMemRelease 10-17.
 DRIVER_US_PER_UNIT = {"create": 10.0, "map": 24.0, "unmap": 17.0, "release": 13.0}
 
 

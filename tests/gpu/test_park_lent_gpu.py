@@ -13,8 +13,8 @@ a training run's later epochs do. The same child runs with the default and with 
 every tensor holds its value, no pass meets an out-of-memory error, reserved stays under the fraction,
 and the cache empties to nothing at the end. Each pass's map and unmap requests and driver ms
 (gpumem.stats() num_device_alloc + num_device_free, gpumem.driver_time()) are printed, not asserted:
-what the option saves is measured by the lockstep bench (README, "park_lent"), not by a test. On this
-replay (one H200, 2026-11-28) the option made more requests than without it, 948 / 607 / 994 / 371 a
+what the option saves is measured by the lockstep bench (docs/benchmarks.md, "park_lent"), not by a test. On
+this replay (one H200, 2026-11-28) the option made more requests than without it, 948 / 607 / 994 / 371 a
 pass against 297 / 97 / 73 / 111 (a parked place whose unit is in use elsewhere is one request per
 unit, a draining block's units one request; the CUDA upstream makes one cuMemUnmap per unit either
 way), in less of the driver's time: 365 / 119 / 178 / 58 ms against 489 / 208 / 135 / 279.

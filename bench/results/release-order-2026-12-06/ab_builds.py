@@ -1,4 +1,4 @@
-"""The A/B run behind the README's "Release order" GPU figures (one H100, 2026-12-06): allocfree at
+"""The A/B run behind docs/benchmarks.md's "Release order" GPU figures (one H100, 2026-12-06): allocfree at
 1.01x / 1.02x / 1.03x the uncapped native run's peak allocated bytes, three passes a run, this tree's
 gpumem (installed as usual) against a second build given by --old-site, two runs each, alternating.
 

@@ -455,3 +455,14 @@ def test_the_records_peer_line_at_fa1e1ec_and_its_cascade_are_the_saved_runs():
     assert "test_allocated_in_middle_of_segment PASSED" in alone and "1 tests: 1 passed" in alone
     assert pair.index("test_allocate_in_thread_to_pool FAILED") < pair.index("test_allocated_in_middle_of_segment FAILED")
     assert "Expected 4 but got 2." in pair and "Expected 0 but got 2." in pair and "Expected 2 but got 0." in pair
+
+
+def test_the_records_peer_line_on_the_final_pool_is_the_saved_comparison():
+    """docs/benchmarks.md, "PyTorch's own allocator tests": the PEER SUMMARY line quoted for the final pool
+    (4268269's build, one H100, 2026-12-07) is the saved comparison's last line: the same one real
+    regression, the cascade, and no test that fails with PyTorch's allocator and passes with gpumem."""
+    saved, line, real = saved_peer_comparison("verify-2026-12-07", "peer_compare_h100.txt",
+                                              "On the final pool (the build of 4268269")
+    assert "device=NVIDIA H100" in saved and "allocator_backend=gpumem" in saved
+    assert "REGRESSIONS 10 (real 1, native-internal 9) | reverse 0" in line and "incomplete 0" in line
+    assert "test_allocated_in_middle_of_segment" in real and "Expected 2 but got 0." in real

@@ -214,6 +214,11 @@ def test_host_cost_saved_run_gives_the_records_table():
         assert f"| {r['allocator']} | {cells} |" in table, (r["allocator"], cells)
 
 
+def _mib(nbytes):
+    """Whole MiB with thousands separators, as the record quotes the soak's memory."""
+    return f"{nbytes // MiB:,}"
+
+
 def _saved_soak(saved):
     """gpumem's and native's soak runs saved in `saved`, and `bench/soak.py --compare`'s verdict on them;
     gpumem's run on an H100 with no creep, the losses bitwise identical."""
@@ -233,14 +238,13 @@ def test_the_records_soak_figures_at_89f74cc_are_the_saved_runs():
     bitwise comparison come from the two runs saved beside the peer comparison (bench/soak.py --compare)."""
     g, n, result = _saved_soak(BENCH / "results" / "slot-fallback-2026-12-06")
     assert result["steps_compared"] == 453
-    mib = lambda b: f"{b // MiB:,}"  # noqa: E731
     record = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
     at = record.index("Earlier the same day, the pool of 89f74cc")
     section = record[at:at + 2000]
-    assert f"{len(g['loss_hex']):,} steps with gpumem, reserved {mib(g['reserved_minute1_peak'])} MiB" in section
-    assert mib(g["reserved_last_window_peak"]) == mib(g["reserved_minute1_peak"])
-    assert f"up to {mib(n['reserved_minute1_peak'])} MiB" in section
-    assert f"({mib(n['reserved_last_window_peak'])} MiB in its last window)" in section
+    assert f"{len(g['loss_hex']):,} steps with gpumem, reserved {_mib(g['reserved_minute1_peak'])} MiB" in section
+    assert _mib(g["reserved_last_window_peak"]) == _mib(g["reserved_minute1_peak"])
+    assert f"up to {_mib(n['reserved_minute1_peak'])} MiB" in section
+    assert f"({_mib(n['reserved_last_window_peak'])} MiB in its last window)" in section
     assert f"over the {result['steps_compared']} steps both ran" in section
 
 
@@ -251,17 +255,16 @@ def test_the_records_soak_and_suite_on_todays_pool_are_the_saved_runs():
     saved = BENCH / "results" / "verify-2026-12-06c"
     g, n, result = _saved_soak(saved)
     assert round(g["seconds"] / 60) == 8 and result["steps_compared"] == n["steps"] == 917
-    mib = lambda b: f"{b // MiB:,}"  # noqa: E731
     record = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
     at = record.index("Reliability on the GPU, today's pool")
     section = record[at:record.index("Earlier the same day, the pool of 89f74cc")]
-    assert f"{g['steps']:,} steps with gpumem, reserved {mib(g['reserved_minute1_peak'])} MiB at minute 1" in section
+    assert f"{g['steps']:,} steps with gpumem, reserved {_mib(g['reserved_minute1_peak'])} MiB at minute 1" in section
     assert g["reserved_last_window_peak"] == g["reserved_minute1_peak"]
-    assert (f"peak reserved {mib(g['peak_reserved'])} MiB over peak allocated {mib(g['peak_allocated'])} MiB, "
+    assert (f"peak reserved {_mib(g['peak_reserved'])} MiB over peak allocated {_mib(g['peak_allocated'])} MiB, "
             f"**{g['peak_reserved'] / g['peak_allocated']:.4f}**") in section
-    assert (f"up to {mib(n['reserved_minute1_peak'])} MiB in its first minute "
-            f"({mib(n['reserved_last_window_peak'])} MiB in its last window)") in section
-    assert (f"peak reserved {mib(n['peak_reserved'])} MiB over {mib(n['peak_allocated'])} MiB, "
+    assert (f"up to {_mib(n['reserved_minute1_peak'])} MiB in its first minute "
+            f"({_mib(n['reserved_last_window_peak'])} MiB in its last window)") in section
+    assert (f"peak reserved {_mib(n['peak_reserved'])} MiB over {_mib(n['peak_allocated'])} MiB, "
             f"{n['peak_reserved'] / n['peak_allocated']:.4f}") in section
     assert f"over the {result['steps_compared']} steps both ran" in section
     for log, told in (("suite_part2_rest.log", "34 passed"), ("suite_part3.log", "25 passed, 3 skipped")):

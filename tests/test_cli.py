@@ -110,14 +110,19 @@ def _readme_commands() -> dict:
     return found
 
 
+def _github_anchor(title: str) -> str:
+    """The anchor GitHub makes of a heading's title: lower case; what is not a letter, digit, ``_``,
+    ``-`` or space dropped; spaces made ``-``."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
 def test_the_readmes_contents_link_every_section_in_order():
     """The Contents line under the README's introduction links each ``## `` section, in order, by the
-    anchor GitHub makes of its title (lower case; what is not a letter, digit, ``_``, ``-`` or space
-    dropped; spaces made ``-``), so a renamed or added section that the list misses fails here."""
+    anchor GitHub makes of its title, so a renamed or added section that the list misses fails here."""
     titles = re.findall(r"^## (.+)$", README, re.M)
     contents = " ".join(README[README.index("Contents: "):README.index("## Install and run")].split())
     anchors = re.findall(r"\]\(#([^)]+)\)", contents)
-    assert anchors == [re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles]
+    assert anchors == [_github_anchor(t) for t in titles]
 
 
 def test_every_relative_link_of_the_readme_and_docs_resolves():
@@ -125,9 +130,12 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
     folder of the repository (relative to the page), and each ``#anchor`` into a page names one of its
     headings, so moving a section or a file (the benchmark record, docs/benchmarks.md) cannot leave a
     link dangling."""
-    def anchors(page: Path) -> set:
-        return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-")
-                for t in re.findall(r"^#+ (.+)$", page.read_text(), re.M)}
+    anchors: dict = {}  # page -> the anchors of its headings, each page read once
+    def anchors_of(page: Path) -> set:
+        if page not in anchors:
+            titles = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+            anchors[page] = {_github_anchor(t.strip()) for t in titles}
+        return anchors[page]
 
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     checked = 0
@@ -140,7 +148,7 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
             dest = (page.parent / path).resolve() if path else page
             assert dest.exists(), f"{page.name}: link to {target}: no such file"
             if anchor and dest.suffix == ".md":
-                assert anchor in anchors(dest), f"{page.name}: link to {target}: no such heading"
+                assert anchor in anchors_of(dest), f"{page.name}: link to {target}: no such heading"
             checked += 1
     assert checked > 40, checked  # the pages link each other: a parser that finds none is broken
 

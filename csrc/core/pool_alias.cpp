@@ -26,9 +26,10 @@
 // block drains behind their marks too, start_draining), so the memory really goes back; the destructor unmaps
 // them too. Graph pools and MemPools never stitch (the bridge): unmapping a parked page may wait for
 // the device, which a stream capture forbids.
-// Measured (docs/benchmarks.md, "Stitching on by default"): the CPU replays and, on an H100, the pressure
-// bench's eight workloads uncapped at 1.006-1.014x their allocated bytes instead of up to 1.24x, steady steps
-// level within the runs' spread, and 4-48 unit maps/unmaps per steady step where a position's unit is busy.
+// Measured (docs/benchmarks.md, "Stitching on the replays", "Stitching on by default"): the CPU replays
+// and, on an H100, the pressure bench's eight workloads uncapped at 1.006-1.014x their allocated bytes
+// instead of up to 1.24x, steady steps level within the runs' spread, and 4-48 unit maps/unmaps per
+// steady step where a position's unit is busy.
 // pool.hpp lists every file.
 #include <algorithm>
 #include <vector>
@@ -38,10 +39,10 @@
 namespace gpumem {
 
 // Why PoolOptions::stitch_slack (how far reserved may exceed the live high water before new pages are
-// stitched, map_from_free) is 1% by default. CPU replays (device 100 operations behind, docs/benchmarks.md
-// "Stitching"): 1% keeps every bundled and bench trace under 1.015x but fbs_gen (1.023x) with fewer
-// unmaps in steady passes than 0% (bert 758 calls and 36 waits a pass against 878 and 35; generate
-// 472 against 841). More slack stitches less: at 1.5% ckpt's steady passes make 8 calls instead of
+// stitched, map_from_free) is 1% by default. CPU replays (device 100 operations behind,
+// docs/benchmarks.md, "Stitching on the replays"): 1% keeps every bundled and bench trace under 1.015x
+// but fbs_gen (1.023x) with fewer unmaps in steady passes than 0% (bert 758 calls and 36 waits a pass
+// against 878 and 35; generate 472 against 841). More slack stitches less: at 1.5% ckpt's steady passes make 8 calls instead of
 // 286-536, at 2% its GPU step is within 1% of expandable_segments' where 1% is not, but gpt_varlen
 // reaches 1.0150x and 1.0197x against the target of 1.01 ("stitch_slack").
 
